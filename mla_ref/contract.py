@@ -1,0 +1,143 @@
+"""The plug-in surface shared by the harness and every decode backend.
+
+``DecodeBatch`` is the host-side description of one decode step; ``DecodeBackend`` is
+the protocol a backend implements to be fuzzed. Both live here, beside the math,
+because the Triton backend (``kernels``) implements them and must not import
+``harness`` (DESIGN.md layering).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+KV_DTYPES = ("bf16", "fp16", "fp8")
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step, as the engine's scheduler hands it to a backend (all CPU tensors).
+
+    Shapes (``B`` real requests, ``s_q = next_n``):
+
+    - ``seq_lens`` int32 ``[B]``: KV length of each request *including* this step's tokens.
+    - ``q_lens`` int32 ``[B]``: query tokens this step; ``0 <= q_lens <= max_decode_len <= next_n``
+      and ``q_lens <= seq_lens``. Query token ``i >= q_lens[b]`` is padding.
+    - ``block_table`` int32 ``[B, max_blocks]``: physical page of each logical page; entries past
+      the last used page are ignored (any value).
+    - ``slot_mapping`` int64 ``[B, next_n]``: global cache slot (``page*page_size + offset``) where
+      query token ``i`` writes its latent KV; ``-1`` = do not write (padding tokens).
+    - ``pad_to``: the captured batch size this step is replayed at (``None`` = eager, no padding).
+      The backend pads rows ``B..pad_to-1`` as real engines do: seq_len 0, q_len 0, block-table
+      rows pointing at ``null_block``, slot -1.
+    - ``kv_dtype``: ``"bf16" | "fp16" | "fp8"`` (FP8 = FlashMLA's uint8 token layout).
+    - ``topk_indices`` int32 ``[B, next_n, topk]`` (sparse decode only): global slots, ``-1`` invalid.
+    """
+
+    seq_lens: torch.Tensor
+    q_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    page_size: int
+    next_n: int = 1
+    max_decode_len: Optional[int] = None
+    pad_to: Optional[int] = None
+    kv_dtype: str = "bf16"
+    null_block: int = 0
+    topk_indices: Optional[torch.Tensor] = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_decode_len is None:
+            self.max_decode_len = int(self.q_lens.max()) if self.q_lens.numel() else 0
+        self.validate()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def padded_size(self) -> int:
+        return self.pad_to if self.pad_to is not None else self.batch_size
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and the expected vs given value."""
+        B = self.batch_size
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"DecodeBatch: {msg}")
+
+        need(self.seq_lens.dim() == 1, f"seq_lens must be 1-D [B], got shape {tuple(self.seq_lens.shape)}")
+        need(tuple(self.q_lens.shape) == (B,), f"q_lens must have shape ({B},), got {tuple(self.q_lens.shape)}")
+        need(self.block_table.dim() == 2 and self.block_table.shape[0] == B,
+             f"block_table must be [B={B}, max_blocks], got {tuple(self.block_table.shape)}")
+        need(tuple(self.slot_mapping.shape) == (B, self.next_n),
+             f"slot_mapping must be [B={B}, next_n={self.next_n}], got {tuple(self.slot_mapping.shape)}")
+        need(self.page_size > 0, f"page_size must be positive, got {self.page_size}")
+        need(self.next_n >= 1, f"next_n must be >= 1, got {self.next_n}")
+        need(0 <= self.max_decode_len <= self.next_n,
+             f"max_decode_len must be in [0, next_n={self.next_n}], got {self.max_decode_len}")
+        need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if B:
+            need(int(self.seq_lens.min()) >= 0, "seq_lens must be >= 0")
+            need(int(self.q_lens.min()) >= 0, "q_lens must be >= 0")
+            need(int(self.q_lens.max()) <= self.max_decode_len,
+                 f"q_lens must be <= max_decode_len={self.max_decode_len}, got max {int(self.q_lens.max())}")
+            need(bool((self.q_lens <= self.seq_lens).all()), "q_lens must be <= seq_lens for every row")
+            pages_needed = (self.seq_lens + self.page_size - 1) // self.page_size
+            need(int(pages_needed.max()) <= self.block_table.shape[1],
+                 f"block_table has {self.block_table.shape[1]} columns but a row needs {int(pages_needed.max())} pages")
+        if self.pad_to is not None:
+            need(self.pad_to >= B, f"pad_to must be >= batch size {B}, got {self.pad_to}")
+        if self.topk_indices is not None:
+            need(self.topk_indices.dim() == 3 and tuple(self.topk_indices.shape[:2]) == (B, self.next_n),
+                 f"topk_indices must be [B={B}, next_n={self.next_n}, topk], got {tuple(self.topk_indices.shape)}")
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (lists of ints), the inverse of ``from_dict``."""
+        d = {
+            "seq_lens": self.seq_lens.tolist(), "q_lens": self.q_lens.tolist(),
+            "block_table": self.block_table.tolist(), "slot_mapping": self.slot_mapping.tolist(),
+            "page_size": self.page_size, "next_n": self.next_n, "max_decode_len": self.max_decode_len,
+            "pad_to": self.pad_to, "kv_dtype": self.kv_dtype, "null_block": self.null_block,
+            "topk_indices": None if self.topk_indices is None else self.topk_indices.tolist(),
+        }
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecodeBatch":
+        B = len(d["seq_lens"])
+        next_n = int(d.get("next_n", 1))
+        bt = torch.tensor(d["block_table"], dtype=torch.int32).reshape(B, -1)
+        topk = d.get("topk_indices")
+        return cls(
+            seq_lens=torch.tensor(d["seq_lens"], dtype=torch.int32),
+            q_lens=torch.tensor(d["q_lens"], dtype=torch.int32),
+            block_table=bt,
+            slot_mapping=torch.tensor(d["slot_mapping"], dtype=torch.int64).reshape(B, next_n),
+            page_size=int(d["page_size"]), next_n=next_n, max_decode_len=d.get("max_decode_len"),
+            pad_to=d.get("pad_to"), kv_dtype=d.get("kv_dtype", "bf16"), null_block=int(d.get("null_block", 0)),
+            topk_indices=None if topk is None else torch.tensor(topk, dtype=torch.int32).reshape(B, next_n, -1),
+        )
+
+
+@runtime_checkable
+class DecodeBackend(Protocol):
+    """What the fuzzer drives. Loaded by import path ``package.module:Class``.
+
+    ``build`` runs on the host before each step (in graph mode it must write into
+    persistent buffers so a captured graph sees the new step); ``forward`` is device work
+    only and is what gets captured. ``q`` is ``[pad, s_q, h_q, d_qk]`` where ``pad`` is
+    ``batch.padded_size``; it returns ``out [pad, s_q, h_q, kv_lora_rank]`` (q dtype) and
+    ``lse [pad, h_q, s_q]`` fp32. Optional: ``write_kv(kv_cache, latent, rope, metadata)``
+    (cache write by the step's slot mapping) enables layer-level scenarios.
+    """
+
+    name: str
+
+    def build(self, batch: DecodeBatch) -> Any: ...
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: Any,
+                out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]: ...

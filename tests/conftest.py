@@ -1,0 +1,41 @@
+"""Suite-wide setup: interpreter on CPU, `gpu` marker, Hypothesis profiles."""
+import os
+
+import pytest
+
+try:
+    import torch
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # torch missing: let the import errors in tests speak
+    _HAS_CUDA = False
+
+# Kernels run through Triton's interpreter on CPU; it must be chosen before triton
+# compiles anything, hence here rather than in the tests.
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# `ci` is loaded by Hypothesis itself when CI is set (derandomized, no database).
+settings.register_profile(
+    "dev", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "gpu", deadline=None, derandomize=True, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+if not os.environ.get("CI"):
+    settings.load_profile(os.environ.get("MLA_FUZZ_HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cuda_device():
+    """The CUDA device for `gpu` tests."""
+    return torch.device("cuda")
