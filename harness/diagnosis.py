@@ -1,0 +1,164 @@
+"""Diagnosis: turn an oracle failure into a bug class with evidence.
+
+Classes: ``stale-address``, ``laziness``, ``contiguity``, ``padding-leak``,
+``cache-corruption``, ``host-sync``, ``numerical``, ``crash``. The direct oracles
+(address, contiguity, integrity, host read in capture, crash) name their class. Output
+mismatches are explained by *experiments*, each a deterministic re-run of the scenario
+with one thing changed:
+
+1. poisoning off: if the failure disappears, NaN placed only in padding reached real
+   rows -> padding-leak;
+2. the capture's kernel list vs a fresh backend's eager forward of the same batch: a
+   kernel (the planner) missing from the graph -> laziness (state planned before
+   capture, vLLM #42444);
+3. capturing with the replayed batch itself: if the failure disappears while every
+   metadata address is stable and every kernel is present, the graph froze host-side
+   values computed from the capture-time batch -> laziness (host-decided plan);
+4. the failing step eager without padding rows: if it passes, padded rows influence
+   real rows -> padding-leak;
+5. otherwise a replay/eager divergence -> stale-address (a tensor read by the graph that
+   the audit could not see), an eager/reference divergence -> numerical.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+from .audit import OpLog
+from .executor import ScenarioRunner, run_steps
+from .oracles import OracleFailure
+from .scenario import ScenarioConfig
+
+CLASSES = ("stale-address", "laziness", "contiguity", "padding-leak", "cache-corruption", "host-sync",
+           "numerical", "crash")
+
+
+@dataclass
+class Diagnosis:
+    cls: str
+    explanation: str
+    oracle: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _signature(f: OracleFailure | None) -> tuple | None:
+    return None if f is None else (f.oracle, f.step)
+
+
+def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: OracleFailure,
+             graph_mode: str, device=None) -> Diagnosis:
+    """Classify ``failure`` (raised at ``steps[failure.step]``) by the experiments above."""
+    o = failure.oracle
+    direct = {"address": "stale-address", "contiguity": "contiguity", "integrity": "cache-corruption",
+              "host-sync": "host-sync"}
+    if o in direct:
+        return Diagnosis(direct[o], _direct_text(o, failure), o)
+    if o == "crash":
+        return Diagnosis("crash", f"the backend raised during step {failure.step} "
+                         f"({steps[failure.step]['op']}): {failure.message}", o)
+
+    rerun = lambda s: run_steps(backend_cls, cfg, s, graph_mode, device)  # noqa: E731
+    k = failure.step
+    upto = steps[: k + 1]
+    failing = steps[k]
+
+    # 1. poisoning off
+    if any(s.get("poison") for s in upto):
+        clean = [dict(s, poison=False) for s in upto]
+        if rerun(clean) is None:
+            return Diagnosis("padding-leak", f"step {k} fails only when padding (padded q/hidden rows, the null "
+                             "block, unused pages) is filled with NaN; with the same steps unpoisoned it passes: "
+                             "values that belong to padding reach real rows. " + failure.message, o)
+
+    # 2/3 concern a replay of a captured graph
+    cap_idx = _capture_for(upto, failing)
+    if cap_idx is not None and graph_mode != "eager":
+        missing = _missing_kernels(backend_cls, cfg, upto[: cap_idx + 1], graph_mode, device)
+        if missing:
+            return Diagnosis("laziness", f"the graph captured at step {cap_idx} lacks kernel(s) {missing} that an "
+                             "eager forward of the same batch on a fresh backend launches: state planned before "
+                             "capture (warmup or an earlier step) made the capture skip the planner, so every "
+                             "replay reuses that stale plan. " + failure.message, o)
+        swapped = copy.deepcopy(upto)
+        swapped[cap_idx]["batch"] = copy.deepcopy(failing["batch"])
+        if rerun(swapped) is None:
+            return Diagnosis("laziness", f"capturing graph {failing['size']} with the replayed batch itself makes "
+                             "the failure vanish, while every metadata tensor keeps its address and no kernel is "
+                             "missing from the graph: values decided on the host from the capture-time batch "
+                             "(split counts, launch parameters, Python scalars) are frozen into the graph. "
+                             + failure.message, o)
+
+    # 4. padding rows influencing real rows
+    if failing["op"] in ("replay", "eager") and len(failing["batch"]["seq_lens"]) < (
+            failing.get("size") or failing.get("pad_to") or 0):
+        unpadded = copy.deepcopy(upto)
+        unpadded[k] = {"op": "eager", "batch": failing["batch"], "pad_to": None, "poison": False}
+        if rerun(unpadded) is None:
+            return Diagnosis("padding-leak", f"step {k} fails with its batch padded to "
+                             f"{failing.get('size') or failing.get('pad_to')} rows but passes run eagerly without "
+                             "padding rows: padded rows influence real rows (e.g. an uninitialised padded output "
+                             "entering a batch-wide reduction). " + failure.message, o)
+
+    if o == "replay-eager":
+        return Diagnosis("stale-address", "replay diverges from an eager forward of the same batch although the "
+                         "metadata audit saw stable addresses: the graph reads a tensor the audit cannot see "
+                         "(allocated outside the metadata object) that was replaced after capture. "
+                         + failure.message, o)
+    zero = [i for i, s in enumerate(failing["batch"]["seq_lens"]) if s == 0]
+    rows = failure.evidence.get("rows") or []
+    hint = (f" Rows {sorted(set(rows) & set(zero))} have seq_len 0 (contract: out 0, lse -inf)."
+            if set(rows) & set(zero) else "")
+    return Diagnosis("numerical", f"the backend's eager output disagrees with the reference beyond the dtype "
+                     f"tolerance, with no graph or padding involved.{hint} " + failure.message, o)
+
+
+def _capture_for(steps: list[dict], failing: dict) -> int | None:
+    if failing["op"] != "replay":
+        return None
+    for i in range(len(steps) - 2, -1, -1):
+        if steps[i]["op"] == "capture" and steps[i]["size"] == failing["size"]:
+            return i
+    return None
+
+
+def _missing_kernels(backend_cls, cfg, steps_to_capture: list[dict], graph_mode: str, device) -> list[str]:
+    """Kernels a fresh eager forward of the capture batch runs that the capture did not record."""
+    runner = ScenarioRunner(backend_cls, cfg, graph_mode, device)
+    try:
+        for s in steps_to_capture:
+            runner.apply(s)
+        cap = runner.captures[steps_to_capture[-1]["size"]]
+        captured = list(cap.log.custom_ops)
+    except OracleFailure:
+        return []
+    finally:
+        runner.close()
+    fresh = ScenarioRunner(backend_cls, cfg, "eager", device)
+    try:
+        cstep = steps_to_capture[-1]
+        batch = fresh.world.make_batch(cstep["batch"], cstep["size"])
+        meta = fresh.backend.build(batch)
+        q, hidden, positions = fresh._inputs(cstep["size"], batch, cstep["batch"], False)
+        log = OpLog()
+        fresh._audited(lambda: fresh._forward(q, hidden, positions, meta), log)
+    except Exception:
+        return []
+    finally:
+        fresh.close()
+    return sorted(set(log.custom_ops) - set(captured))
+
+
+def _direct_text(oracle: str, f: OracleFailure) -> str:
+    lead = {
+        "address": "the address audit saw a metadata tensor that the captured graph reads move between builds "
+                   "(the builder allocates fresh tensors instead of copying into persistent buffers, vLLM #35175): ",
+        "contiguity": "a kernel was handed a non-contiguous view it may index flat (vLLM #42135: a "
+                      "[:B, :max_decode_len] slice of a 2-D buffer is non-contiguous when max_decode_len < next_n): ",
+        "integrity": "KV-cache slots that no real token of this step writes changed (a padded row's slot_mapping "
+                     "was not -1, or a write ignored it): ",
+        "host-sync": "the forward reads device values on the host while a graph is captured (.item(), .tolist(), "
+                     ".cpu(), nonzero), which CUDA forbids and which would freeze a host decision into the graph: ",
+    }[oracle]
+    return lead + f.message

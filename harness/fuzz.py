@@ -1,0 +1,88 @@
+"""One fuzz run against one backend: search, shrink, diagnose, build the repro.
+
+Used by the pytest suite (mutation matrix, clean backend), the ``mla-fuzz`` command and
+the pytest plugin. A budget in seconds is honoured between scenarios; a budget in
+examples is Hypothesis' ``max_examples``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mla_ref import ModelSpec
+
+from .diagnosis import diagnose
+from .graphs import make_runner
+from .loading import load_backend
+from .machine import BudgetExhausted, Campaign, search
+from .repro import make_repro
+
+
+@dataclass
+class FuzzReport:
+    backend: str
+    graph_mode: str
+    seed: int
+    examples: int
+    steps: int
+    seconds: float
+    examples_to_detect: int | None = None
+    seconds_to_detect: float | None = None
+    repro: dict | None = None
+    coverage: dict = field(default_factory=dict)
+
+    @property
+    def failed(self) -> bool:
+        return self.repro is not None
+
+    @property
+    def diagnosis(self) -> str | None:
+        return None if self.repro is None else (self.repro.get("diagnosis") or {}).get("cls")
+
+
+def resolve_mode(graph_mode: str) -> str:
+    return make_runner(graph_mode).mode
+
+
+def default_device(mode: str) -> str:
+    return "cuda" if mode == "cuda" or (mode == "eager" and torch.cuda.is_available()) else "cpu"
+
+
+def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = "auto", examples: int = 100,
+         seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
+         step_count: int = 6, max_pages: int | None = None, strict_contiguity: bool = True,
+         on_step=None) -> FuzzReport:
+    """Search ``backend_ref`` for up to ``examples`` scenarios (or ``budget_s`` seconds).
+
+    Returns a ``FuzzReport``; when a failure is found its minimal repro (with diagnosis)
+    is in ``report.repro``.
+    """
+    spec = ModelSpec.from_name(spec) if isinstance(spec, str) else spec
+    backend_cls = load_backend(backend_ref)
+    mode = resolve_mode(graph_mode)
+    device = device or default_device(mode)
+    big = spec.num_heads > 16
+    camp = Campaign(backend_cls, spec, mode, device,
+                    max_pages=max_pages or (4 if big else 8),
+                    page_sizes=(64,) if big else (4, 16, 64), vary_heads=not big,
+                    strict_contiguity=strict_contiguity, on_step=on_step)
+    t0 = time.monotonic()
+    if budget_s is not None:
+        camp.deadline = t0 + budget_s
+    try:
+        found = search(camp, max_examples=examples, seed=seed, step_count=step_count, shrink=shrink)
+    except BudgetExhausted:
+        found = None
+    report = FuzzReport(backend_ref, mode, seed, camp.stats["examples"], camp.stats["steps"],
+                        time.monotonic() - t0, coverage=camp.stats["coverage"])
+    if found is not None:
+        first = camp.stats.get("first_failure", {})
+        report.examples_to_detect = first.get("examples")
+        report.seconds_to_detect = None if "time" not in first else first["time"] - t0
+        diag = diagnose(backend_cls, found.cfg, found.steps, found.failure, mode, device)
+        report.repro = make_repro(backend_ref, mode, found.cfg, found.steps, found.failure, diag,
+                                  {"seed": seed, "examples": camp.stats["examples"],
+                                   "examples_to_detect": report.examples_to_detect})
+    return report

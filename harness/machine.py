@@ -1,0 +1,156 @@
+"""The search: a Hypothesis ``RuleBasedStateMachine`` over eager/warmup/capture/replay.
+
+Each rule draws one step, appends it to the scenario's trace and runs it through
+``ScenarioRunner``; the oracles are checked inside the step. On a failure Hypothesis
+shrinks the rule sequence (and every drawn value) to a minimal program, and the
+``FuzzFailure`` raised by the final, minimal run carries that program as JSON steps.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, precondition, rule
+
+from mla_ref import ModelSpec
+
+from .executor import ScenarioRunner
+from .loading import supports_layer
+from .oracles import OracleFailure
+from .scenario import ScenarioConfig
+from .strategies import batch_draws, configs
+
+
+class FuzzFailure(Exception):
+    """An oracle failure together with the scenario that produced it."""
+
+    def __init__(self, failure: OracleFailure, cfg: ScenarioConfig, steps: list[dict]):
+        super().__init__(str(failure))
+        self.failure = failure
+        self.cfg = cfg
+        self.steps = steps
+
+
+@dataclass
+class Campaign:
+    """What one search needs; ``stats`` is filled as it runs."""
+
+    backend_cls: type
+    spec: ModelSpec
+    graph_mode: str = "auto"
+    device: str | None = None
+    max_pages: int = 8
+    page_sizes: tuple = (4, 16, 64)
+    vary_heads: bool = True
+    strict_contiguity: bool = True
+    stats: dict = field(default_factory=lambda: {"examples": 0, "steps": 0, "coverage": {}})
+    deadline: float | None = None
+    # Called with (config, steps so far) right before each step runs, so a supervising
+    # process can turn a step that kills this process into a repro (crash isolation).
+    on_step: object = None
+
+    def note(self, key: str, value) -> None:
+        cov = self.stats["coverage"].setdefault(key, {})
+        cov[str(value)] = cov.get(str(value), 0) + 1
+
+
+class BudgetExhausted(BaseException):
+    """Raised inside a rule when the campaign's wall-clock budget is spent (BaseException so
+    Hypothesis does not treat it as a failure to shrink)."""
+
+
+def make_machine(c: Campaign):
+    """A state-machine class bound to one campaign."""
+    layer_ok = supports_layer(c.backend_cls)
+
+    class DecodeMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.runner = None
+            self.steps: list[dict] = []
+            self.captured: set[int] = set()
+
+        @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_pages=c.max_pages,
+                                page_sizes=c.page_sizes))
+        def setup(self, cfg):
+            if c.deadline is not None and time.monotonic() > c.deadline:
+                raise BudgetExhausted()
+            self.cfg = cfg
+            c.stats["examples"] += 1
+            for key in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size"):
+                c.note(key, getattr(cfg, key))
+            c.note("heads", ModelSpec.from_dict(cfg.spec).num_heads)
+            self.runner = ScenarioRunner(c.backend_cls, cfg, c.graph_mode, c.device, c.strict_contiguity)
+
+        def _run(self, step: dict) -> None:
+            self.steps.append(step)
+            c.stats["steps"] += 1
+            c.note("op", step["op"])
+            b = step["batch"]
+            if b["max_decode_len"] < self.cfg.next_n:
+                c.note("mtp", "max_decode_len<next_n")
+            if len(b["seq_lens"]) < (step.get("size") or step.get("pad_to") or 0):
+                c.note("padding", "padded rows")
+            if 0 in b["seq_lens"]:
+                c.note("seq_len", "0")
+            if c.on_step is not None:
+                c.on_step(self.cfg, self.steps)
+            try:
+                self.runner.apply(step)
+            except OracleFailure as f:
+                c.stats.setdefault("first_failure", {"examples": c.stats["examples"], "time": time.monotonic()})
+                raise FuzzFailure(f, self.cfg, list(self.steps)) from None
+
+        @rule(data=st.data())
+        def eager(self, data):
+            cfg = self.cfg
+            batch = data.draw(batch_draws(cfg, cfg.max_batch), label="batch")
+            pads = [None] + [s for s in cfg.capture_sizes if s >= len(batch["seq_lens"])]
+            self._run({"op": "eager", "batch": batch, "pad_to": data.draw(st.sampled_from(pads), label="pad_to"),
+                       "poison": data.draw(st.booleans(), label="poison")})
+
+        @rule(data=st.data())
+        def warmup(self, data):
+            size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
+            batch = data.draw(batch_draws(self.cfg, size, min_rows=size), label="batch")
+            self._run({"op": "warmup", "size": size, "batch": batch})
+
+        @rule(data=st.data())
+        def capture(self, data):
+            size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
+            batch = data.draw(batch_draws(self.cfg, size), label="batch")
+            self._run({"op": "capture", "size": size, "batch": batch})
+            self.captured.add(size)
+
+        @precondition(lambda self: bool(self.captured))
+        @rule(data=st.data())
+        def replay(self, data):
+            size = data.draw(st.sampled_from(sorted(self.captured)), label="size")
+            batch = data.draw(batch_draws(self.cfg, size), label="batch")
+            self._run({"op": "replay", "size": size, "batch": batch,
+                       "poison": data.draw(st.booleans(), label="poison")})
+
+        def teardown(self):
+            if self.runner is not None:
+                self.runner.close()
+
+    return DecodeMachine
+
+
+def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, shrink: bool = True,
+           database=None) -> FuzzFailure | None:
+    """Run up to ``max_examples`` scenarios with Hypothesis seeded by ``seed``; the minimal
+    failure (or None). ``BudgetExhausted`` propagates when ``c.deadline`` passes."""
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
+    s = settings(max_examples=max_examples, stateful_step_count=step_count, deadline=None, database=database,
+                 phases=phases, report_multiple_bugs=False, derandomize=False, print_blob=False,
+                 suppress_health_check=list(HealthCheck))
+    test = get_state_machine_test(make_machine(c), settings=s)
+    test._hypothesis_internal_use_seed = seed
+    try:
+        test()
+    except FuzzFailure as f:
+        return f
+    return None

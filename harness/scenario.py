@@ -1,0 +1,88 @@
+"""Scenario data: the configuration drawn once per scenario and the JSON step schema.
+
+A scenario is ``ScenarioConfig`` + a list of step dicts. Steps are plain JSON so a
+shrunk failure is a pasteable, replayable program (see ``harness.repro``):
+
+- ``{"op": "eager", "batch": BatchDraw, "pad_to": int | null, "poison": bool}``
+- ``{"op": "warmup", "size": S, "batch": BatchDraw}``   eager run padded to capture size S
+- ``{"op": "capture", "size": S, "batch": BatchDraw}``  build + capture forward at size S
+- ``{"op": "replay", "size": S, "batch": BatchDraw, "poison": bool}``  new batch, replay graph S
+
+``BatchDraw`` = ``{"seed": int, "seq_lens": [int], "q_lens": [int], "max_decode_len": int}``;
+``seed`` fixes the page assignment, the query/hidden values and block-table garbage.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+STEP_OPS = ("eager", "warmup", "capture", "replay")
+Q_DTYPES = ("bf16", "fp16")
+
+
+@dataclass
+class ScenarioConfig:
+    """Everything fixed for one scenario. ``spec`` is a ``ModelSpec.to_dict()``."""
+
+    spec: dict
+    kv_dtype: str = "bf16"
+    q_dtype: str = "bf16"
+    page_size: int = 16
+    next_n: int = 1
+    capture_sizes: list = field(default_factory=lambda: [1, 2, 4])
+    max_pages_per_seq: int = 8
+    layer: bool = False
+    fp8_out: bool = False
+    seed: int = 0
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.capture_sizes)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.page_size * self.max_pages_per_seq
+
+    def validate(self) -> None:
+        from mla_ref import KV_DTYPES, ModelSpec
+
+        ModelSpec.from_dict(self.spec)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"config.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.q_dtype not in Q_DTYPES:
+            raise ValueError(f"config.q_dtype must be one of {Q_DTYPES}, got {self.q_dtype!r}")
+        if not self.capture_sizes or any(int(s) < 1 for s in self.capture_sizes):
+            raise ValueError(f"config.capture_sizes must be positive ints, got {self.capture_sizes}")
+        if not 1 <= self.next_n <= 8:
+            raise ValueError(f"config.next_n must be in [1, 8], got {self.next_n}")
+        if self.fp8_out and not self.layer:
+            raise ValueError("config.fp8_out needs config.layer (it quantises the layer's attention output)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ScenarioConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"config: unknown fields {sorted(unknown)}")
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+
+def validate_step(step: dict, cfg: ScenarioConfig) -> None:
+    """ValueError for a malformed step (used when loading repro files)."""
+    if not isinstance(step, dict) or step.get("op") not in STEP_OPS:
+        raise ValueError(f"step must be a dict with op in {STEP_OPS}, got {step!r}")
+    batch = step.get("batch")
+    if not isinstance(batch, dict) or not {"seed", "seq_lens", "q_lens"} <= set(batch):
+        raise ValueError(f"step {step['op']!r}: 'batch' must have seed, seq_lens, q_lens; got {batch!r}")
+    if len(batch["seq_lens"]) != len(batch["q_lens"]):
+        raise ValueError(f"step {step['op']!r}: seq_lens and q_lens differ in length")
+    if any(s > cfg.max_seq_len for s in batch["seq_lens"]):
+        raise ValueError(f"step {step['op']!r}: a seq_len exceeds max_seq_len {cfg.max_seq_len}")
+    size = step.get("size", step.get("pad_to"))
+    if step["op"] != "eager" and size not in cfg.capture_sizes:
+        raise ValueError(f"step {step['op']!r}: size {size} is not a capture size {cfg.capture_sizes}")
+    if size is not None and len(batch["seq_lens"]) > size:
+        raise ValueError(f"step {step['op']!r}: batch of {len(batch['seq_lens'])} exceeds size {size}")

@@ -1,0 +1,61 @@
+"""Hypothesis strategies: scenario configurations and batch draws.
+
+Edge values are weighted in on purpose: seq_len 0 and 1, page boundaries (ps-1, ps,
+ps+1), full length; next_n 1-4 with max_decode_len < next_n (the non-contiguous MTP
+view, vLLM #42135); heads not a multiple of the kernel's head block; batches smaller
+than the capture size (padding); FP8 caches and per-tensor FP8 layer output.
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from mla_ref import ModelSpec
+
+from .scenario import ScenarioConfig
+
+TINY_HEADS = (1, 3, 4, 8, 16)
+CAPTURE_POOL = (1, 2, 3, 4, 8)
+
+
+@st.composite
+def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = True,
+            max_pages: int = 8, page_sizes=(4, 16, 64)) -> ScenarioConfig:
+    """A ``ScenarioConfig`` around ``base`` (heads varied for small specs)."""
+    spec = base
+    if vary_heads and base.num_heads <= 16:
+        spec = ModelSpec(**{**base.to_dict(), "num_heads": draw(st.sampled_from(TINY_HEADS))})
+    kv_dtype = draw(st.sampled_from(("bf16", "fp8", "fp16")))
+    q_dtype = "bf16" if kv_dtype == "fp8" else ("fp16" if kv_dtype == "fp16" else "bf16")
+    sizes = sorted(draw(st.sets(st.sampled_from(CAPTURE_POOL), min_size=1, max_size=3)))
+    layer = layer_ok and draw(st.booleans())
+    fp8_out = layer and draw(st.booleans())
+    page_size = draw(st.sampled_from(page_sizes))
+    return ScenarioConfig(
+        spec=spec.to_dict(), kv_dtype=kv_dtype, q_dtype=q_dtype, page_size=page_size,
+        next_n=draw(st.integers(1, 4)), capture_sizes=sizes,
+        max_pages_per_seq=max(1, min(max_pages, draw(st.integers(1, max_pages)) * 64 // page_size)),
+        layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)))
+
+
+@st.composite
+def seq_len_values(draw, cfg: ScenarioConfig):
+    ps, top = cfg.page_size, cfg.max_seq_len
+    edge = [0, 1, ps - 1, ps, ps + 1, top - 1, top]
+    return draw(st.one_of(st.sampled_from([e for e in edge if 0 <= e <= top]), st.integers(0, top)))
+
+
+@st.composite
+def batch_draws(draw, cfg: ScenarioConfig, max_rows: int, min_rows: int = 1, allow_empty_rows: bool = True) -> dict:
+    """A ``BatchDraw`` (scenario.py) with 1..max_rows requests."""
+    B = draw(st.integers(min_rows, max_rows))
+    mdl = draw(st.integers(1, cfg.next_n))
+    seq_lens, q_lens = [], []
+    for _ in range(B):
+        s = draw(seq_len_values(cfg))
+        if s == 0 and not allow_empty_rows:
+            s = 1
+        q = 0 if s == 0 else draw(st.integers(1, min(mdl, s)))
+        seq_lens.append(s)
+        q_lens.append(q)
+    return {"seed": draw(st.integers(0, 2**31 - 1)), "seq_lens": seq_lens, "q_lens": q_lens,
+            "max_decode_len": mdl}

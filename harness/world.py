@@ -1,0 +1,144 @@
+"""The simulated engine around a backend: KV pool, page allocation, inputs, poisoning.
+
+Block 0 of the pool is the *null block* that padded rows point at (as in vLLM); the
+fuzzer may fill it, the pages a step does not use, and padded input rows with NaN
+(``0xFF`` bytes: NaN in bf16, fp16, fp32 and e4m3 alike) so any read of padding shows.
+Every value is drawn from a seeded ``torch.Generator``: same seed, same bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+import mla_ref
+from mla_ref import DecodeBatch, ModelSpec
+
+from .scenario import ScenarioConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+POISON_BYTE = 0xFF
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(int(seed) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+class World:
+    """KV pool, weights and input buffers for one scenario on one device."""
+
+    def __init__(self, cfg: ScenarioConfig, device: torch.device | str):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.spec = ModelSpec.from_dict(cfg.spec)
+        self.q_dtype = DTYPES[cfg.q_dtype]
+        # Enough pages for the largest batch at full length, plus the null block and
+        # slack so page assignment is a real permutation, not the identity.
+        self.num_blocks = 1 + cfg.max_batch * cfg.max_pages_per_seq + 3
+        self.kv_cache = mla_ref.make_kv_cache(
+            self.spec, self.num_blocks, cfg.page_size, cfg.kv_dtype, self.device)
+        self.clean = self._random_cache(cfg.seed)
+        self.kv_cache.copy_(self.clean)
+        self.weights = (mla_ref.MLALayerWeights.random(self.spec, cfg.seed, dtype=self.q_dtype, device=self.device)
+                        if cfg.layer else None)
+
+    # -- cache ---------------------------------------------------------------------------
+    def _random_cache(self, seed: int) -> torch.Tensor:
+        spec, ps = self.spec, self.cfg.page_size
+        g = _gen(seed * 7919 + 1)
+        n = self.num_blocks * ps
+        latent = torch.randn(n, spec.kv_lora_rank, generator=g)
+        rope = torch.randn(n, spec.qk_rope_head_dim, generator=g)
+        if self.cfg.kv_dtype == "fp8":
+            packed = mla_ref.quantize_kv_fp8(latent, rope, spec=spec)
+            return packed.reshape(self.num_blocks, ps, -1).to(self.device)
+        full = torch.cat([latent, rope], dim=-1).to(DTYPES[self.cfg.kv_dtype])
+        return full.reshape(self.num_blocks, ps, 1, spec.d_qk).to(self.device)
+
+    def reset_cache(self, poison: bool, used_pages: set[int] | None = None) -> None:
+        """Restore clean contents in place (the graph holds this tensor); optionally NaN every
+        page outside ``used_pages`` — the null block included."""
+        self.kv_cache.copy_(self.clean)
+        if poison:
+            used = used_pages or set()
+            unused = [p for p in range(self.num_blocks) if p not in used]
+            if unused:
+                idx = torch.tensor(unused, device=self.device)
+                raw = self.kv_cache.view(torch.uint8)
+                raw[idx] = POISON_BYTE
+
+    # -- batches -------------------------------------------------------------------------
+    def make_batch(self, draw: dict, pad_to: int | None) -> DecodeBatch:
+        """A ``DecodeBatch`` from a ``BatchDraw`` (scenario.py): pages scattered at random."""
+        cfg = self.cfg
+        ps, mp = cfg.page_size, cfg.max_pages_per_seq
+        seq_lens = [int(s) for s in draw["seq_lens"]]
+        q_lens = [int(q) for q in draw["q_lens"]]
+        B = len(seq_lens)
+        g = _gen(draw["seed"])
+        perm = (torch.randperm(self.num_blocks - 1, generator=g) + 1).tolist()
+        # Unused block-table columns hold valid-but-wrong page ids: a kernel that reads
+        # past a row's last page gets plausible garbage, which the reference exposes.
+        table = torch.randint(1, self.num_blocks, (B, mp), generator=g, dtype=torch.int32)
+        slots = torch.full((B, cfg.next_n), -1, dtype=torch.int64)
+        for b in range(B):
+            need = -(-seq_lens[b] // ps)
+            pages = [perm.pop() for _ in range(need)]
+            table[b, :need] = torch.tensor(pages, dtype=torch.int32) if pages else table[b, :0]
+            for i in range(q_lens[b]):
+                pos = seq_lens[b] - q_lens[b] + i
+                slots[b, i] = pages[pos // ps] * ps + pos % ps
+        return DecodeBatch(
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            q_lens=torch.tensor(q_lens, dtype=torch.int32),
+            block_table=table, slot_mapping=slots, page_size=ps, next_n=cfg.next_n,
+            max_decode_len=int(draw.get("max_decode_len") or max(q_lens + [0])),
+            pad_to=pad_to, kv_dtype=cfg.kv_dtype, null_block=0)
+
+    @staticmethod
+    def used_pages(batch: DecodeBatch) -> set[int]:
+        used = set()
+        for b in range(batch.batch_size):
+            need = -(-int(batch.seq_lens[b]) // batch.page_size)
+            used.update(int(p) for p in batch.block_table[b, :need])
+        return used
+
+    # -- inputs --------------------------------------------------------------------------
+    def fill_q(self, q: torch.Tensor, draw: dict, B: int, poison: bool) -> None:
+        """Write the step's queries into rows ``[:B]`` of ``q [pad, s_q, h, d_qk]`` in place;
+        padded rows become NaN when poisoning, else keep whatever they held (stale, as in
+        a real engine's persistent input buffer)."""
+        g = _gen(draw["seed"] * 31 + 7)
+        real = torch.randn((B,) + tuple(q.shape[1:]), generator=g).to(q.dtype)
+        q[:B].copy_(real)
+        if poison and q.shape[0] > B:
+            q[B:].view(torch.uint8).fill_(POISON_BYTE) if q.dtype.itemsize == 1 else q[B:].fill_(float("nan"))
+
+    def fill_hidden(self, hidden: torch.Tensor, positions: torch.Tensor, batch: DecodeBatch,
+                    draw: dict, poison: bool) -> None:
+        """Layer inputs: hidden ``[pad, s_q, hidden]`` and positions int64 ``[pad, s_q]``
+        (position of token i = seq_len - q_len + i; padding tokens 0)."""
+        B = batch.batch_size
+        g = _gen(draw["seed"] * 31 + 11)
+        hidden[:B].copy_(torch.randn((B,) + tuple(hidden.shape[1:]), generator=g).to(hidden.dtype))
+        if poison and hidden.shape[0] > B:
+            hidden[B:].fill_(float("nan"))
+        positions.zero_()
+        positions[:B].copy_(token_positions(batch).to(positions.device))
+
+    def new_q(self, pad: int) -> torch.Tensor:
+        s = self.spec
+        return torch.zeros(pad, self.cfg.next_n, s.num_heads, s.d_qk, dtype=self.q_dtype, device=self.device)
+
+    def new_hidden(self, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.zeros(pad, self.cfg.next_n, self.spec.hidden, dtype=self.q_dtype, device=self.device)
+        p = torch.zeros(pad, self.cfg.next_n, dtype=torch.int64, device=self.device)
+        return h, p
+
+
+def token_positions(batch: DecodeBatch) -> torch.Tensor:
+    """int64 ``[B, next_n]``: position of query token i of request b; padding tokens get 0."""
+    i = torch.arange(batch.next_n).unsqueeze(0)
+    start = (batch.seq_lens - batch.q_lens).to(torch.int64).unsqueeze(1)
+    pos = start + i
+    return torch.where(i < batch.q_lens.unsqueeze(1), pos, torch.zeros_like(pos))
