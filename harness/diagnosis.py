@@ -7,7 +7,7 @@ mismatches are explained by *experiments*, each a deterministic re-run of the sc
 with one thing changed:
 
 1. poisoning off: if the failure disappears, NaN placed only in padding reached real
-   rows -> padding-leak;
+   rows -> padding-leak (also when only seq_len-0 rows are wrong: padding-shaped rows);
 2. the capture's kernel list vs a fresh backend's eager forward of the same batch: a
    kernel (the planner) missing from the graph -> laziness (state planned before
    capture, vLLM #42444);
@@ -106,12 +106,15 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                          "metadata audit saw stable addresses: the graph reads a tensor the audit cannot see "
                          "(allocated outside the metadata object) that was replaced after capture. "
                          + failure.message, o)
-    zero = [i for i, s in enumerate(failing["batch"]["seq_lens"]) if s == 0]
-    rows = failure.evidence.get("rows") or []
-    hint = (f" Rows {sorted(set(rows) & set(zero))} have seq_len 0 (contract: out 0, lse -inf)."
-            if set(rows) & set(zero) else "")
-    return Diagnosis("numerical", f"the backend's eager output disagrees with the reference beyond the dtype "
-                     f"tolerance, with no graph or padding involved.{hint} " + failure.message, o)
+    zero = {i for i, s in enumerate(failing["batch"]["seq_lens"]) if s == 0}
+    rows = set(failure.evidence.get("rows") or [])
+    if rows and rows <= zero:
+        return Diagnosis("padding-leak", f"only rows with seq_len 0 are wrong (rows {sorted(rows)}): the contract "
+                         "says such rows — the shape every padded row has — give out exactly 0 and lse -inf, "
+                         "never NaN or leftover memory, or they poison batch-wide reductions (vLLM #37442, "
+                         "#38148). " + failure.message, o)
+    return Diagnosis("numerical", "the backend's eager output disagrees with the reference beyond the dtype "
+                     "tolerance, with no graph or padding involved. " + failure.message, o)
 
 
 def _capture_for(steps: list[dict], failing: dict) -> int | None:

@@ -15,6 +15,7 @@ Per step (DESIGN.md §5 oracles, numbered as there):
 """
 from __future__ import annotations
 
+import contextlib
 import traceback
 from dataclasses import dataclass
 
@@ -93,7 +94,7 @@ class ScenarioRunner:
         return (out, lse)
 
     def _audited(self, fn, log: OpLog):
-        with OpAudit(log):
+        with nan_fill_uninitialised(), OpAudit(log):
             return fn()
 
     def _check_contiguity(self, log: OpLog, where: str) -> None:
@@ -186,10 +187,8 @@ class ScenarioRunner:
         log = OpLog()
         try:
             outs = [t.clone() for t in self._audited(lambda: self._forward(q, hidden, positions, meta), log)]
-        except Exception:
+        finally:
             self._check_contiguity(log, f"{step['op']} forward")
-            raise
-        self._check_contiguity(log, f"{step['op']} forward")
         if not check:
             return
         self._check_integrity(before, batch, "eager forward")
@@ -212,21 +211,33 @@ class ScenarioRunner:
         self._eager_step(step, step["size"], False, check=False)
 
     def _step_capture(self, step: dict) -> None:
+        """Capture at size S after ``warmups`` eager forwards of the same batch. With
+        ``share`` the warmups and the capture use ONE build (what vLLM does per capture
+        size), else each warmup gets its own build and the capture a fresh one."""
         size, draw = step["size"], step["batch"]
+        warmups, share = int(step.get("warmups", 0)), bool(step.get("share", False))
         if size in self.captures:
             _release(self.captures.pop(size).graph)
         batch = self.world.make_batch(draw, size)
         self.world.reset_cache(False)
-        meta = self.backend.build(batch)
         q, hidden, positions = self._inputs(size, batch, draw, False)
+        meta = self.backend.build(batch) if share else None
+        for _ in range(warmups):
+            log = OpLog()
+            m = meta if share else self.backend.build(batch)
+            try:
+                self._audited(lambda: self._forward(q, hidden, positions, m), log)
+            finally:
+                self._check_contiguity(log, "warmup forward")
+            self.world.reset_cache(False)
+        if meta is None:
+            meta = self.backend.build(batch)
         log = OpLog()
         fn = lambda: self._forward(q, hidden, positions, meta)  # noqa: E731
         try:
             graph = self.runner.capture(lambda: self._audited(fn, log))
-        except Exception:
+        finally:
             self._check_contiguity(log, "capture")
-            raise
-        self._check_contiguity(log, "capture")
         read = log.read_ptrs()
         meta_ptrs = {p: t.data_ptr() for p, t in tensor_fields(meta).items() if t.data_ptr() in read}
         self.captures[size] = Captured(size, graph, q, hidden, positions, meta, meta_ptrs, log, batch, self.index)
@@ -280,6 +291,24 @@ class ScenarioRunner:
                     f"(and the graph reads it), but build() for this step returned it at 0x{t.data_ptr():x}: "
                     f"the replay keeps reading the capture-time tensor", self.index,
                     {"field": path, "size": cap.size})
+
+
+@contextlib.contextmanager
+def nan_fill_uninitialised():
+    """PyTorch's deterministic mode fills ``empty`` tensors with NaN (ints: max value), so
+    a kernel that leaves output uninitialised shows NaN every time instead of whatever the
+    allocator recycled — the eager twin of the graph runners' ``poison_empty``."""
+    import torch.utils.deterministic as det
+
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        det.fill_uninitialized_memory = prev[2]
 
 
 def _release(graph) -> None:

@@ -53,7 +53,7 @@ def default_device(mode: str) -> str:
 def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = "auto", examples: int = 100,
          seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
          step_count: int = 6, max_pages: int | None = None, strict_contiguity: bool = True,
-         on_step=None) -> FuzzReport:
+         on_step=None, shrink_seconds: float | None = None) -> FuzzReport:
     """Search ``backend_ref`` for up to ``examples`` scenarios (or ``budget_s`` seconds).
 
     Returns a ``FuzzReport``; when a failure is found its minimal repro (with diagnosis)
@@ -72,7 +72,8 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     if budget_s is not None:
         camp.deadline = t0 + budget_s
     try:
-        found = search(camp, max_examples=examples, seed=seed, step_count=step_count, shrink=shrink)
+        found = search(camp, max_examples=examples, seed=seed, step_count=step_count, shrink=shrink,
+                       shrink_seconds=shrink_seconds)
     except BudgetExhausted:
         found = None
     report = FuzzReport(backend_ref, mode, seed, camp.stats["examples"], camp.stats["steps"],

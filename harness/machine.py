@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, precondition, rule
 
@@ -73,8 +73,8 @@ def make_machine(c: Campaign):
             self.captured: set[int] = set()
 
         @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_pages=c.max_pages,
-                                page_sizes=c.page_sizes))
-        def setup(self, cfg):
+                                page_sizes=c.page_sizes), data=st.data())
+        def setup(self, cfg, data):
             if c.deadline is not None and time.monotonic() > c.deadline:
                 raise BudgetExhausted()
             self.cfg = cfg
@@ -83,6 +83,9 @@ def make_machine(c: Campaign):
                 c.note(key, getattr(cfg, key))
             c.note("heads", ModelSpec.from_dict(cfg.spec).num_heads)
             self.runner = ScenarioRunner(c.backend_cls, cfg, c.graph_mode, c.device, c.strict_contiguity)
+            # Every scenario starts with a capture: the bugs we hunt need capture -> replay,
+            # and a rule that merely *may* capture wastes most examples on eager-only runs.
+            self._capture(data)
 
         def _run(self, step: dict) -> None:
             self.steps.append(step)
@@ -103,33 +106,39 @@ def make_machine(c: Campaign):
                 c.stats.setdefault("first_failure", {"examples": c.stats["examples"], "time": time.monotonic()})
                 raise FuzzFailure(f, self.cfg, list(self.steps)) from None
 
+        def _capture(self, data):
+            size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
+            batch = data.draw(batch_draws(self.cfg, size), label="batch")
+            self._run({"op": "capture", "size": size, "batch": batch,
+                       "warmups": data.draw(st.sampled_from((0, 1, 3)), label="warmups"),
+                       "share": data.draw(st.booleans(), label="share")})
+            self.captured.add(size)
+
+        def _replay(self, data, poison: bool):
+            size = data.draw(st.sampled_from(sorted(self.captured)), label="size")
+            batch = data.draw(batch_draws(self.cfg, size), label="batch")
+            self._run({"op": "replay", "size": size, "batch": batch, "poison": poison})
+
+        @rule(data=st.data())
+        def capture(self, data):
+            self._capture(data)
+
+        @precondition(lambda self: bool(self.captured))
+        @rule(data=st.data())
+        def replay(self, data):
+            self._replay(data, poison=False)
+
+        @precondition(lambda self: bool(self.captured))
+        @rule(data=st.data())
+        def replay_poisoned(self, data):
+            self._replay(data, poison=True)
+
         @rule(data=st.data())
         def eager(self, data):
             cfg = self.cfg
             batch = data.draw(batch_draws(cfg, cfg.max_batch), label="batch")
             pads = [None] + [s for s in cfg.capture_sizes if s >= len(batch["seq_lens"])]
             self._run({"op": "eager", "batch": batch, "pad_to": data.draw(st.sampled_from(pads), label="pad_to"),
-                       "poison": data.draw(st.booleans(), label="poison")})
-
-        @rule(data=st.data())
-        def warmup(self, data):
-            size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
-            batch = data.draw(batch_draws(self.cfg, size, min_rows=size), label="batch")
-            self._run({"op": "warmup", "size": size, "batch": batch})
-
-        @rule(data=st.data())
-        def capture(self, data):
-            size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
-            batch = data.draw(batch_draws(self.cfg, size), label="batch")
-            self._run({"op": "capture", "size": size, "batch": batch})
-            self.captured.add(size)
-
-        @precondition(lambda self: bool(self.captured))
-        @rule(data=st.data())
-        def replay(self, data):
-            size = data.draw(st.sampled_from(sorted(self.captured)), label="size")
-            batch = data.draw(batch_draws(self.cfg, size), label="batch")
-            self._run({"op": "replay", "size": size, "batch": batch,
                        "poison": data.draw(st.booleans(), label="poison")})
 
         def teardown(self):
@@ -140,17 +149,26 @@ def make_machine(c: Campaign):
 
 
 def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, shrink: bool = True,
-           database=None) -> FuzzFailure | None:
+           database=None, shrink_seconds: float | None = None) -> FuzzFailure | None:
     """Run up to ``max_examples`` scenarios with Hypothesis seeded by ``seed``; the minimal
     failure (or None). ``BudgetExhausted`` propagates when ``c.deadline`` passes."""
     phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
     s = settings(max_examples=max_examples, stateful_step_count=step_count, deadline=None, database=database,
                  phases=phases, report_multiple_bugs=False, derandomize=False, print_blob=False,
+                 verbosity=Verbosity.quiet,
                  suppress_health_check=list(HealthCheck))
     test = get_state_machine_test(make_machine(c), settings=s)
     test._hypothesis_internal_use_seed = seed
+    # Hypothesis bounds shrinking by wall time only through this module constant (300 s);
+    # a campaign with a budget needs a tighter bound, so it is set for this run alone.
+    from hypothesis.internal.conjecture import engine
+    saved = engine.MAX_SHRINKING_SECONDS
+    if shrink_seconds is not None:
+        engine.MAX_SHRINKING_SECONDS = shrink_seconds
     try:
         test()
     except FuzzFailure as f:
         return f
+    finally:
+        engine.MAX_SHRINKING_SECONDS = saved
     return None

@@ -1,0 +1,35 @@
+"""Mutants: the Triton backend with one 2026 decode bug put back, each a one-method subclass.
+
+They are the proof that the harness works: the suite asserts the fuzzer catches every
+mutant (from its own search, with the right diagnosis) and passes the clean backend.
+
+``ALL`` maps name -> backend class; ``EXPECTED`` maps name -> diagnosis classes that
+are a correct explanation of that bug.
+"""
+from .graph_state import HostSplitDecision, ItemInCapture, SharedLazySched, StaleFP8Metadata
+from .layout import NoncontigContextLens, PaddedSlotWrite
+from .padding import NanZeroLen, UninitPaddingAmax
+
+ALL = {
+    "stale-fp8-metadata": StaleFP8Metadata,
+    "shared-lazy-sched": SharedLazySched,
+    "noncontig-context-lens": NoncontigContextLens,
+    "uninit-padding-amax": UninitPaddingAmax,
+    "padded-slot-write": PaddedSlotWrite,
+    "host-split-decision": HostSplitDecision,
+    "item-in-capture": ItemInCapture,
+    "nan-zero-len": NanZeroLen,
+}
+
+EXPECTED = {
+    "stale-fp8-metadata": {"stale-address"},
+    "shared-lazy-sched": {"laziness"},
+    "noncontig-context-lens": {"contiguity"},
+    "uninit-padding-amax": {"padding-leak"},
+    "padded-slot-write": {"cache-corruption"},
+    "host-split-decision": {"laziness"},
+    "item-in-capture": {"host-sync"},
+    "nan-zero-len": {"padding-leak"},
+}
+
+__all__ = ["ALL", "EXPECTED"] + [c.__name__ for c in ALL.values()]

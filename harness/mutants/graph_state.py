@@ -1,0 +1,82 @@
+"""Mutants whose bug is state the captured graph froze: addresses, plans, host reads."""
+from __future__ import annotations
+
+import torch
+
+from kernels import TritonMLABackend, plan_reference
+from kernels.sched import SchedState
+
+
+class StaleFP8Metadata(TritonMLABackend):
+    """vLLM #35175: the FP8 decode metadata builder returned freshly allocated tensors each
+    step instead of copying into the persistent graph buffers; the captured graph kept
+    reading the capture-time tensors, so replays decoded with a stale plan/lengths."""
+
+    name = "stale-fp8-metadata"
+
+    def _fill_metadata(self, batch):
+        md = super()._fill_metadata(batch)
+        if batch.kv_dtype == "fp8":
+            md.seq_lens = md.seq_lens.clone()
+            md.block_table = md.block_table.clone()
+        return md
+
+
+class SharedLazySched(TritonMLABackend):
+    """vLLM #42444: planning is lazy (FlashMLA's "plan on first use" contract) and warmup
+    and capture share one build, so warmup plans it with dummy lengths, the capture takes
+    the "already planned" branch, the planner never enters the graph and every replay uses
+    the frozen warmup plan."""
+
+    name = "shared-lazy-sched"
+
+    def _plan(self, md):
+        md.sched.plan(md.seq_lens)
+
+
+class _HostPlan(SchedState):
+    """A plan decided on the host at build time and written with Python scalars."""
+
+    def __init__(self, base: SchedState, info, nsplit, offsets):
+        super().__init__(base.config)
+        self.part_info, self.num_splits, self.split_offsets = base.part_info, base.num_splits, base.split_offsets
+        self.host = (info, nsplit, offsets)
+
+    def plan(self, cache_seqlens, *, config=None, force=False):
+        info, nsplit, offsets = self.host
+        # Each fill_ carries its value as a constant: captured once, replayed forever.
+        for p, row in enumerate(info):
+            for j, v in enumerate(row):
+                self.part_info[p, j].fill_(int(v))
+        for b, (n, o) in enumerate(zip(nsplit, offsets)):
+            self.num_splits[b].fill_(int(n))
+            self.split_offsets[b].fill_(int(o))
+        self.planned = True
+
+
+class HostSplitDecision(TritonMLABackend):
+    """A host-side split decision baked into the graph (the FlashInfer-plan shape of bug):
+    the split-KV partition is computed on the host from the build's sequence lengths and
+    launched as constants, so a graph captured for one batch replays that batch's split
+    for every later batch — rows longer than at capture lose their tail."""
+
+    name = "host-split-decision"
+
+    def _make_sched(self, md):
+        base = super()._make_sched(md)
+        cfg = md.config
+        seq = md.seq_lens.cpu().tolist()  # build time: host reads are allowed here
+        info, nsplit, offsets = plan_reference(seq, num_parts=cfg.num_parts, block_n=cfg.block_n,
+                                               min_tiles_per_part=cfg.min_tiles_per_part)
+        return _HostPlan(base, info, nsplit, offsets)
+
+
+class ItemInCapture(TritonMLABackend):
+    """vLLM #42604's first fix: a ``.item()`` in the forward path (here: skip planning for an
+    all-empty batch) — a host sync, illegal while a CUDA graph is being captured."""
+
+    name = "item-in-capture"
+
+    def _plan(self, md):
+        if int(md.seq_lens.max().item()) > 0:
+            super()._plan(md)
