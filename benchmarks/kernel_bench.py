@@ -1,0 +1,267 @@
+"""Triton MLA decode vs the machine's own rooflines (GPU only).
+
+Measures, in the same run, the device-to-device copy bandwidth (bytes read + written) and
+the bf16 matmul rate (8192^3, random data), then times ``TritonMLABackend.forward``
+(planner + split-KV decode + combine) captured in a CUDA graph, for
+
+    h_q in {16, 128} x s_q in {1, 2} x B in {1, 8, 32, 128} x L in {1k, 4k, 16k} x {bf16, fp8}
+
+(DeepSeek-V3 dims: rank 512 + rope 64). Per case: median time (``triton.testing.do_bench``,
+which flushes L2 before every run), effective TB/s (KV bytes + q + out) and TFLOP/s
+(``2 * s_q * h * L * (576 + 512)`` per request), their ratios to the measured ceilings, and
+time over the roofline bound ``max(bytes / copy_bw, flops / matmul_rate)``.
+
+``--sweep`` first times a few launch configs on representative cases and uses the best per
+(row class, kv dtype) for the grid. Writes JSON (``--out``) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from mla_ref import DecodeBatch, ModelSpec  # noqa: E402
+
+from kernels import DecodeConfig, TritonMLABackend, default_config, ops  # noqa: E402
+
+PAGE = 64
+BYTES_PER_TOKEN = {"bf16": 2 * 576, "fp8": 656}
+
+
+def measure_copy_tbps() -> float:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * n / (t * 1e-3) / 1e12
+
+
+def measure_matmul_tflops() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=300, return_mode="median")
+    return 2 * n ** 3 / (t * 1e-3) / 1e12
+
+
+class CachePool:
+    """One big random cache per kv dtype; each case takes random distinct pages of it."""
+
+    def __init__(self, spec: ModelSpec, max_tokens: int):
+        self.spec = spec
+        self.num_blocks = max_tokens // PAGE + 1
+        self.caches = {}
+        self.max_tokens = max_tokens
+
+    def get(self, kv: str) -> torch.Tensor:
+        if kv not in self.caches:
+            spec = self.spec
+            if kv == "fp8":
+                cache = torch.zeros(self.num_blocks, PAGE, spec.fp8_bytes_per_token, dtype=torch.uint8, device="cuda")
+            else:
+                cache = torch.zeros(self.num_blocks, PAGE, 1, spec.d_qk, dtype=torch.bfloat16, device="cuda")
+            n = self.num_blocks * PAGE
+            chunk = 1 << 18
+            for s in range(0, n, chunk):
+                T = min(chunk, n - s)
+                lat = torch.randn(T, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+                rope = torch.randn(T, spec.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
+                slots = torch.arange(s, s + T, device="cuda", dtype=torch.int64)
+                ops.write_kv_cache(cache, lat, rope, slots, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group)
+            self.caches = {kv: cache}  # keep one at a time: memory
+        return self.caches[kv]
+
+
+def run_case(spec, pool, h, s_q, B, L, kv, config, gen):
+    spec_h = ModelSpec(num_heads=h)
+    cache = pool.get(kv)
+    pages = L // PAGE
+    perm = torch.randperm(pool.num_blocks - 1, generator=gen)[:B * pages] + 1
+    block_table = perm.view(B, pages).to(torch.int32)
+    seq = torch.full((B,), L, dtype=torch.int32)
+    ql = torch.full((B,), s_q, dtype=torch.int32)
+    slots = torch.full((B, s_q), -1, dtype=torch.int64)
+    batch = DecodeBatch(seq_lens=seq, q_lens=ql, block_table=block_table, slot_mapping=slots, page_size=PAGE,
+                        next_n=s_q, pad_to=B, kv_dtype=kv)
+    be = TritonMLABackend(spec_h, device="cuda", max_batch=B, capture_sizes=[B], next_n_max=s_q,
+                          max_blocks_per_seq=pages, page_size=PAGE, config=config)
+    md = be.build(batch)
+    q = torch.randn(B, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(B, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+    be.forward(q, cache, md, out=out)  # compile + warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.forward(q, cache, md, out=out)
+    t_ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
+    kv_bytes = B * L * BYTES_PER_TOKEN[kv]
+    io_bytes = kv_bytes + q.numel() * 2 + out.numel() * 2
+    flops = 2.0 * B * s_q * h * L * (spec.d_qk + spec.kv_lora_rank)
+    return t_ms, io_bytes, flops
+
+
+def candidate_configs(rows: int, sms: int, kv: str):
+    """A few launch configs per row class (s_q * heads) and kv dtype, one program per SM (a
+    second wave lost in every case of the first sweep). Tuples: block_m, block_n, warps,
+    stages[, fp8_prefetch]. (A per-element scale-gather FP8 variant, swept on 2026-11-26,
+    was 2-3x slower than the reshape broadcast and has been removed.)"""
+    if kv == "fp8":
+        if rows <= 32:
+            bm = 16 if rows <= 16 else 32
+            shapes = [(bm, 64, 8, 1, True), (bm, 64, 8, 2, False), (bm, 32, 8, 1, True)]
+        else:
+            shapes = [(64, 64, 8, 2, False), (64, 32, 8, 1, True), (64, 32, 8, 2, False)]
+    elif rows <= 16:
+        shapes = [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 8, 2)]
+    elif rows <= 32:
+        shapes = [(32, 64, 4, 2), (32, 32, 4, 3), (16, 64, 4, 2), (32, 64, 8, 2)]
+    else:
+        shapes = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 8, 3)]
+    out = []
+    for shape in shapes:
+        bm, bn, w, st = shape[:4]
+        extra = dict(fp8_prefetch=shape[4]) if len(shape) > 4 else {}
+        m_blocks = -(-rows // bm)
+        out.append(DecodeConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
+                                num_parts=max(1, sms // m_blocks), min_tiles_per_part=2, **extra))
+    return out
+
+
+def cfg_dict(c: DecodeConfig) -> dict:
+    return dict(block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
+                num_parts=c.num_parts, min_tiles_per_part=c.min_tiles_per_part, fp8_prefetch=c.fp8_prefetch)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--sweep", action="store_true", help="tune launch configs on representative cases first")
+    ap.add_argument("--sweep-kv", default="bf16,fp8", help="kv dtypes to sweep (others use default_config)")
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--sq", default="1,2")
+    ap.add_argument("--batch", default="1,8,32,128")
+    ap.add_argument("--lens", default="1024,4096,16384")
+    ap.add_argument("--kv", default="bf16,fp8")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    copy_tbps = measure_copy_tbps()
+    mm_tflops = measure_matmul_tflops()
+    print(f"# {props.name}: copy {copy_tbps:.2f} TB/s (read+write), bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    heads = [int(x) for x in args.heads.split(",")]
+    sqs = [int(x) for x in args.sq.split(",")]
+    batches = [int(x) for x in args.batch.split(",")]
+    lens = [int(x) for x in args.lens.split(",")]
+    kvs = args.kv.split(",")
+    spec = ModelSpec()
+    pool = CachePool(spec, max(batches) * max(lens))
+
+    def roof(io_bytes, flops):
+        return max(io_bytes / (copy_tbps * 1e12), flops / (mm_tflops * 1e12)) * 1e3  # ms
+
+    chosen = {}
+    sweep_rows = []
+    if args.sweep:
+        reps = [(32, 4096), (128, 1024)]
+        for kv in args.sweep_kv.split(","):
+            for h in heads:
+                for s_q in sqs:
+                    rows = h * s_q
+                    best = None
+                    for cfg in candidate_configs(rows, sms, kv):
+                        tot = 0.0
+                        for B, L in reps:
+                            try:
+                                t_ms, io, fl = run_case(spec, pool, h, s_q, B, L, kv, cfg, gen)
+                            except Exception as e:  # e.g. OutOfResources: this config does not fit
+                                print(f"sweep {kv} h={h} s_q={s_q} {cfg_dict(cfg)}: {type(e).__name__}: {e}"[:300],
+                                      flush=True)
+                                tot = math.inf
+                                break
+                            tot += math.log(t_ms / roof(io, fl))
+                            sweep_rows.append(dict(kv=kv, h=h, s_q=s_q, B=B, L=L, config=cfg_dict(cfg), time_us=t_ms * 1e3,
+                                                   x_roofline=t_ms / roof(io, fl)))
+                        print(f"sweep {kv} h={h} s_q={s_q} {cfg_dict(cfg)} geo-mean x_roof={math.exp(tot / len(reps)):.2f}", flush=True)
+                        if best is None or tot < best[0]:
+                            best = (tot, cfg)
+                    chosen[(kv, h, s_q)] = best[1]
+
+    results = []
+    for kv in kvs:
+        for h in heads:
+            for s_q in sqs:
+                cfg = chosen.get((kv, h, s_q)) or \
+                    default_config(ModelSpec(num_heads=h), s_q, torch.device("cuda"), fp8=kv == "fp8")
+                for B in batches:
+                    for L in lens:
+                        if time.time() - t_start > args.budget_s:
+                            print("# budget reached; remaining cases skipped", flush=True)
+                            break
+                        try:
+                            t_ms, io, fl = run_case(spec, pool, h, s_q, B, L, kv, cfg, gen)
+                        except Exception as e:
+                            print(f"{kv} h={h} s_q={s_q} B={B} L={L}: {type(e).__name__}: {e}"[:300], flush=True)
+                            continue
+                        r = dict(kv=kv, h=h, s_q=s_q, B=B, L=L, config=cfg_dict(cfg), time_us=t_ms * 1e3,
+                                 TBps=io / (t_ms * 1e-3) / 1e12, TFLOPs=fl / (t_ms * 1e-3) / 1e12,
+                                 roofline_us=roof(io, fl) * 1e3)
+                        r["bw_ratio"] = r["TBps"] / copy_tbps
+                        r["flop_ratio"] = r["TFLOPs"] / mm_tflops
+                        r["x_roofline"] = r["time_us"] / r["roofline_us"]
+                        results.append(r)
+                        print(f"{kv:4s} h={h:3d} s_q={s_q} B={B:3d} L={L:5d} {r['time_us']:9.1f} us "
+                              f"{r['TBps']:5.2f} TB/s ({r['bw_ratio']:.0%}) {r['TFLOPs']:6.1f} TF/s "
+                              f"({r['flop_ratio']:.0%}) x{r['x_roofline']:.2f} roof", flush=True)
+
+    def pick(f):
+        return [r for r in results if f(r)]
+
+    mem = pick(lambda r: r["h"] == 16 and r["B"] * r["L"] >= 128 * 1024)
+    comp = pick(lambda r: r["h"] == 128 and r["s_q"] == 2)
+    big = pick(lambda r: r["B"] >= 32)
+    summary = {
+        "mem_bound_h16_BL>=128k_min_bw_ratio": min((r["bw_ratio"] for r in mem), default=None),
+        "mem_bound_h16_BL>=128k_median_bw_ratio": sorted(r["bw_ratio"] for r in mem)[len(mem) // 2] if mem else None,
+        "h128_sq2_max_flop_ratio": max((r["flop_ratio"] for r in comp), default=None),
+        "h128_sq2_median_flop_ratio": sorted(r["flop_ratio"] for r in comp)[len(comp) // 2] if comp else None,
+        "B>=32_worst_x_roofline": max((r["x_roofline"] for r in big), default=None),
+        "cases": len(results),
+    }
+    print("# summary " + json.dumps(summary), flush=True)
+    doc = {
+        "gpu": props.name, "sms": sms, "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+        "copy_TBps_read_plus_write": copy_tbps, "matmul_bf16_TFLOPs": mm_tflops,
+        "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
+        "summary": summary, "results": results, "sweep": sweep_rows,
+        "chosen": {f"{k[0]}/h{k[1]}/sq{k[2]}": cfg_dict(v) for k, v in chosen.items()},
+        "wall_s": time.time() - t_start,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Combine kernel: merge the fp32 partials of split requests into ``out`` and ``lse``.
+
+Grid ``(B, ceil(s_q*h / BLOCK_M))`` — fixed by the padded batch size. Per request:
+
+- ``num_splits == 1``: the decode kernel already wrote the final rows; nothing to do;
+- ``num_splits >= 2``: log-sum-exp merge of its pieces' partials;
+- ``num_splits == 0`` (seq_len 0, e.g. a padded row): out 0, lse -inf written explicitly,
+  so no output row is ever left uninitialised.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .rounding import to_out
+
+__all__ = ["launch_combine"]
+
+
+@triton.jit
+def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, partial_cap, SQ, H,
+                    RANK: tl.constexpr, BLOCK_M: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
+    ROWS = SQ * H
+    LN2: tl.constexpr = 0.6931471805599453
+    nsplit = tl.load(nsplit_ptr + b)
+    first = tl.load(off_ptr + b)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < ROWS
+    tok = offs_m // H
+    head = offs_m % H
+    offs_r = tl.arange(0, RANK)
+
+    # pieces to merge; clamped to the buffer so a bad plan cannot read past it
+    n = tl.where(nsplit > 1, nsplit, 0)
+    n = tl.minimum(n, partial_cap - first)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for j in range(0, n):
+        row = (first + j).to(tl.int64)
+        m = tl.maximum(m, tl.load(plse_ptr + row * ROWS + offs_m, mask=row_ok, other=float("-inf")))
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for j in range(0, n):
+        row = (first + j).to(tl.int64)
+        w = tl.exp2(tl.load(plse_ptr + row * ROWS + offs_m, mask=row_ok, other=float("-inf")) - m_ref)
+        l_sum += w
+        part = tl.load(po_ptr + row * (ROWS * RANK) + offs_m[:, None] * RANK + offs_r[None, :],
+                       mask=row_ok[:, None], other=0.0)
+        acc += w[:, None] * part
+    has_keys = l_sum > 0.0
+    o = acc / tl.where(has_keys, l_sum, 1.0)[:, None]
+    lse = tl.where(has_keys, (m_ref + tl.log2(tl.where(has_keys, l_sum, 1.0))) * LN2, float("-inf"))
+    # (vector + scalar) first: the interpreter rejects a mask made of `vector & scalar`
+    write = row_ok & ((offs_m * 0 + nsplit) != 1)
+    tl.store(out_ptr + b * (ROWS * RANK) + offs_m[:, None] * RANK + offs_r[None, :],
+             to_out(o, out_ptr.dtype.element_ty), mask=write[:, None])
+    tl.store(lse_ptr + b * ROWS + head * SQ + tok, lse, mask=write)
+
+
+def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, *, block_m: int) -> None:
+    """Launch the combine (arguments checked by ``ops.combine``).
+
+    Shapes: partial_o fp32 ``[cap, s_q*h, rank]``; partial_lse fp32 ``[cap, s_q*h]`` (base 2);
+    num_splits / split_offsets int32 ``[B]``; out ``[B, s_q, h, rank]``; lse fp32 ``[B, h, s_q]``.
+    """
+    B, s_q, h, rank = out.shape
+    if B == 0:
+        return
+    grid = (B, triton.cdiv(s_q * h, block_m))
+    _combine_kernel[grid](partial_o, partial_lse, num_splits, split_offsets, out, lse, partial_o.shape[0], s_q, h,
+                          RANK=rank, BLOCK_M=block_m, num_warps=4)
