@@ -51,6 +51,14 @@ def check_spec_supported(spec: ModelSpec) -> None:
                          f"got {spec.qk_rope_head_dim}")
     if not _is_pow2(spec.fp8_group):
         raise ValueError(f"spec.fp8_group must be a power of two for the Triton kernels, got {spec.fp8_group}")
+    # FP8 tokens are addressed as base + token * bytes_per_token with the byte count a
+    # compile-time constant; a 104-byte token (rank 64, groups of 32, rope 16) faulted with
+    # "misaligned address" on an H200 (triton 3.6), while 16-byte multiples (656 at DeepSeek
+    # size, 112 for ModelSpec.tiny) run. Refuse such specs up front rather than fault.
+    if spec.fp8_bytes_per_token % 16:
+        raise ValueError(f"spec.fp8_bytes_per_token must be a multiple of 16 for the Triton kernels "
+                         f"(got {spec.fp8_bytes_per_token}: rank {spec.kv_lora_rank} + 4 per group of "
+                         f"{spec.fp8_group} + 2 * rope {spec.qk_rope_head_dim}); try a smaller fp8_group")
 
 
 @dataclass(frozen=True)

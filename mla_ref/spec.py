@@ -48,9 +48,10 @@ class ModelSpec:
 
     @classmethod
     def tiny(cls, num_heads: int = 8) -> "ModelSpec":
-        """CPU-friendly dims with the same structure: rank 64 + rope 16, FP8 groups of 32."""
+        """CPU-friendly dims with the same structure: rank 64 + rope 16, FP8 groups of 16
+        (a 112-byte FP8 token: 16-byte aligned like DeepSeek's 656, see kernels.config)."""
         return cls(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                   num_heads=num_heads, q_lora_rank=48, hidden=64, fp8_group=32)
+                   num_heads=num_heads, q_lora_rank=48, hidden=64, fp8_group=16)
 
     @classmethod
     def from_name(cls, name: str) -> "ModelSpec":
