@@ -8,6 +8,9 @@ with one thing changed:
 
 1. poisoning off: if the failure disappears, NaN placed only in padding reached real
    rows -> padding-leak (also when only seq_len-0 rows are wrong: padding-shaped rows);
+1b. (wrong eager output: reference or finite oracle) the failing step alone, eagerly, on a fresh backend:
+   if it passes, the output depends on what earlier builds left in persistent buffers
+   (e.g. an nnz-sized copy leaving the previous step's tail, vLLM #42604) -> stale-address;
 2. the capture's kernel list vs a fresh backend's eager forward of the same batch: a
    kernel (the planner) missing from the graph -> laziness (state planned before
    capture, vLLM #42444);
@@ -71,6 +74,17 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
             return Diagnosis("padding-leak", f"step {k} fails only when padding (padded q/hidden rows, the null "
                              "block, unused pages) is filled with NaN; with the same steps unpoisoned it passes: "
                              "values that belong to padding reach real rows. " + failure.message, o)
+
+    # 1b. state left by earlier builds: same step, fresh backend, no history
+    if o in ("reference", "finite") and k > 0:
+        alone = [{"op": "eager", "batch": failing["batch"], "pad_to": failing.get("size") or failing.get("pad_to"),
+                  "poison": bool(failing.get("poison"))}]
+        if rerun(alone) is None:
+            return Diagnosis("stale-address", f"step {k}'s output is wrong ({o} oracle), but the same "
+                             "batch run alone on a fresh backend passes: the kernels read data an earlier step "
+                             "left in a persistent buffer that this step's build did not rewrite (a stale tail "
+                             "of an nnz-sized copy, vLLM #42604) — stale contents at a stable address. "
+                             + failure.message, o)
 
     # 2/3 concern a replay of a captured graph
     cap_idx = _capture_for(upto, failing)

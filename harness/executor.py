@@ -78,7 +78,8 @@ class ScenarioRunner:
         return make_backend(self.backend_cls, self.spec, device=self.device, max_batch=cfg.max_batch,
                             capture_sizes=cfg.capture_sizes, graph_safe=self.mode != "eager",
                             page_size=cfg.page_size, max_blocks_per_seq=cfg.max_pages_per_seq,
-                            next_n_max=cfg.next_n, num_blocks=self.world.num_blocks)
+                            next_n_max=cfg.next_n, num_blocks=self.world.num_blocks,
+                            **({"topk_max": cfg.topk} if cfg.sparse else {}))
 
     def close(self) -> None:
         for cap in self.captures.values():
@@ -123,7 +124,9 @@ class ScenarioRunner:
             return (mla_ref.mla_layer_decode_absorbed(
                 self.world.weights, hidden[:B], positions[:B], cache, bt, sl, batch.slot_mapping.to(dev),
                 spec=self.spec, q_lens=ql, fp8_out=self.cfg.fp8_out),)
-        return mla_ref.mla_decode(q[:B], cache_before, bt, sl, spec=self.spec, q_lens=ql)
+        # sparse steps: attention over exactly the selected slots (dense steps unchanged)
+        indices = batch.dense_topk().to(dev) if batch.is_sparse else None
+        return mla_ref.mla_decode(q[:B], cache_before, bt, sl, spec=self.spec, q_lens=ql, indices=indices)
 
     def _check_reference(self, outs, ref, batch: DecodeBatch, what: str) -> None:
         B = batch.batch_size
@@ -300,14 +303,16 @@ def nan_fill_uninitialised():
     allocator recycled — the eager twin of the graph runners' ``poison_empty``."""
     import torch.utils.deterministic as det
 
-    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+    # torch._C's setter, not torch.use_deterministic_algorithms: the public one also
+    # imports torch._inductor (about 5 s on first use, in every worker process).
+    prev = (torch._C._get_deterministic_algorithms(), torch._C._get_deterministic_algorithms_warn_only(),
             det.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch._C._set_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        torch._C._set_deterministic_algorithms(prev[0], warn_only=prev[1])
         det.fill_uninitialized_memory = prev[2]
 
 

@@ -32,6 +32,7 @@ class FuzzReport:
     seconds_to_detect: float | None = None
     repro: dict | None = None
     coverage: dict = field(default_factory=dict)
+    shrink_runs: int = 0  # scenarios re-run while shrinking (not counted in ``examples``)
 
     @property
     def failed(self) -> bool:
@@ -53,11 +54,13 @@ def default_device(mode: str) -> str:
 def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = "auto", examples: int = 100,
          seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
          step_count: int = 6, max_pages: int | None = None, strict_contiguity: bool = True,
-         on_step=None, shrink_seconds: float | None = None) -> FuzzReport:
+         on_step=None, shrink_seconds: float | None = None, should_stop=None, on_phase=None) -> FuzzReport:
     """Search ``backend_ref`` for up to ``examples`` scenarios (or ``budget_s`` seconds).
 
     Returns a ``FuzzReport``; when a failure is found its minimal repro (with diagnosis)
-    is in ``report.repro``.
+    is in ``report.repro``. Hooks: ``on_step(cfg, steps)`` before each step (and with no
+    steps before each scenario's backend is built), ``should_stop()`` polled between
+    scenarios, ``on_phase(name, info)`` before the diagnosis re-runs (``"diagnose"``).
     """
     spec = ModelSpec.from_name(spec) if isinstance(spec, str) else spec
     backend_cls = load_backend(backend_ref)
@@ -67,7 +70,8 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     camp = Campaign(backend_cls, spec, mode, device,
                     max_pages=max_pages or (4 if big else 8),
                     page_sizes=(64,) if big else (4, 16, 64), vary_heads=not big,
-                    strict_contiguity=strict_contiguity, on_step=on_step)
+                    strict_contiguity=strict_contiguity, on_step=on_step,
+                    should_stop=should_stop)
     t0 = time.monotonic()
     if budget_s is not None:
         camp.deadline = t0 + budget_s
@@ -77,11 +81,14 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     except BudgetExhausted:
         found = None
     report = FuzzReport(backend_ref, mode, seed, camp.stats["examples"], camp.stats["steps"],
-                        time.monotonic() - t0, coverage=camp.stats["coverage"])
+                        time.monotonic() - t0, coverage=camp.stats["coverage"],
+                        shrink_runs=camp.stats.get("shrink_runs", 0))
     if found is not None:
         first = camp.stats.get("first_failure", {})
         report.examples_to_detect = first.get("examples")
         report.seconds_to_detect = None if "time" not in first else first["time"] - t0
+        if on_phase is not None:
+            on_phase("diagnose", {"cfg": found.cfg, "steps": found.steps, "failure": found.failure})
         diag = diagnose(backend_cls, found.cfg, found.steps, found.failure, mode, device)
         report.repro = make_repro(backend_ref, mode, found.cfg, found.steps, found.failure, diag,
                                   {"seed": seed, "examples": camp.stats["examples"],

@@ -21,13 +21,14 @@ def load_backend(ref: str):
     if ref == "triton":
         from kernels import TritonMLABackend
         return TritonMLABackend
-    from .mutants import ALL as MUTANTS
-    name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
-    if name in MUTANTS:
-        return MUTANTS[name]
-    if ref.startswith("mutant:"):
-        raise ValueError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}")
-    if ":" not in ref:
+    if ref.startswith("mutant:") or ":" not in ref:
+        # mutants are imported only when asked for: a user's backend must not depend on them
+        from .mutants import ALL as MUTANTS
+        name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
+        if name in MUTANTS:
+            return MUTANTS[name]
+        if ref.startswith("mutant:"):
+            raise ValueError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}")
         raise ValueError(f"backend {ref!r}: expected 'package.module:Class' (or 'triton', or a mutant name)")
     mod_name, _, attr = ref.partition(":")
     try:
@@ -66,3 +67,12 @@ def make_backend(cls, spec: ModelSpec, *, device, max_batch: int, capture_sizes:
 def supports_layer(cls) -> bool:
     """Layer-level scenarios need a cache write by slot mapping (``write_kv``)."""
     return callable(getattr(cls, "write_kv", None))
+
+
+def supports_sparse(cls) -> bool:
+    """Sparse scenarios need a backend constructed with ``topk_max`` (sizing its index buffers)."""
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "topk_max" in params

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, i
 from mla_ref import ModelSpec
 
 from .executor import ScenarioRunner
-from .loading import supports_layer
+from .loading import supports_layer, supports_sparse
 from .oracles import OracleFailure
 from .scenario import ScenarioConfig
 from .strategies import batch_draws, configs
@@ -50,6 +50,8 @@ class Campaign:
     # Called with (config, steps so far) right before each step runs, so a supervising
     # process can turn a step that kills this process into a repro (crash isolation).
     on_step: object = None
+    # Polled before each scenario: a true result ends the search like the deadline does.
+    should_stop: object = None
 
     def note(self, key: str, value) -> None:
         cov = self.stats["coverage"].setdefault(key, {})
@@ -64,6 +66,7 @@ class BudgetExhausted(BaseException):
 def make_machine(c: Campaign):
     """A state-machine class bound to one campaign."""
     layer_ok = supports_layer(c.backend_cls)
+    sparse_ok = supports_sparse(c.backend_cls)
 
     class DecodeMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -73,13 +76,21 @@ def make_machine(c: Campaign):
             self.captured: set[int] = set()
 
         @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_pages=c.max_pages,
-                                page_sizes=c.page_sizes), data=st.data())
+                                page_sizes=c.page_sizes, sparse_ok=sparse_ok), data=st.data())
         def setup(self, cfg, data):
-            if c.deadline is not None and time.monotonic() > c.deadline:
+            # Out of budget (or asked to stop): end the search between scenarios — unless a
+            # failure is being shrunk, which shrink_seconds bounds; stopping then would
+            # make Hypothesis drop the failure as flaky.
+            pending = "first_failure" in c.stats
+            if not pending and ((c.deadline is not None and time.monotonic() > c.deadline)
+                                or (c.should_stop is not None and c.should_stop())):
                 raise BudgetExhausted()
             self.cfg = cfg
-            c.stats["examples"] += 1
-            for key in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size"):
+            if c.on_step is not None:
+                c.on_step(cfg, [])  # a crash while building the backend belongs to this config
+            key = "shrink_runs" if pending else "examples"
+            c.stats[key] = c.stats.get(key, 0) + 1
+            for key in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size", "sparse"):
                 c.note(key, getattr(cfg, key))
             c.note("heads", ModelSpec.from_dict(cfg.spec).num_heads)
             self.runner = ScenarioRunner(c.backend_cls, cfg, c.graph_mode, c.device, c.strict_contiguity)

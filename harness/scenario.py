@@ -9,7 +9,8 @@ shrunk failure is a pasteable, replayable program (see ``harness.repro``):
 - ``{"op": "replay", "size": S, "batch": BatchDraw, "poison": bool}``  new batch, replay graph S
 
 ``BatchDraw`` = ``{"seed": int, "seq_lens": [int], "q_lens": [int], "max_decode_len": int}``;
-``seed`` fixes the page assignment, the query/hidden values and block-table garbage.
+``seed`` fixes the page assignment, the query/hidden values and block-table garbage, and in
+sparse scenarios (``config.sparse``) the ragged top-k selection (``World.make_batch``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class ScenarioConfig:
     layer: bool = False
     fp8_out: bool = False
     seed: int = 0
+    # sparse top-k decode: each step carries a ragged selection of <= topk slots per token
+    sparse: bool = False
+    topk: int = 0
 
     @property
     def max_batch(self) -> int:
@@ -56,6 +60,10 @@ class ScenarioConfig:
             raise ValueError(f"config.next_n must be in [1, 8], got {self.next_n}")
         if self.fp8_out and not self.layer:
             raise ValueError("config.fp8_out needs config.layer (it quantises the layer's attention output)")
+        if self.sparse and (not isinstance(self.topk, int) or self.topk < 1):
+            raise ValueError(f"config.topk must be a positive int when config.sparse, got {self.topk!r}")
+        if self.sparse and self.layer:
+            raise ValueError("config.sparse scenarios drive the attention op only (config.layer must be False)")
 
     def to_dict(self) -> dict:
         return asdict(self)

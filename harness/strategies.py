@@ -3,7 +3,8 @@
 Edge values are weighted in on purpose: seq_len 0 and 1, page boundaries (ps-1, ps,
 ps+1), full length; next_n 1-4 with max_decode_len < next_n (the non-contiguous MTP
 view, vLLM #42135); heads not a multiple of the kernel's head block; batches smaller
-than the capture size (padding); FP8 caches and per-tensor FP8 layer output.
+than the capture size (padding); FP8 caches and per-tensor FP8 layer output; sparse top-k
+scenarios (ragged selections, topk both below and above the sequence lengths).
 """
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ from mla_ref import ModelSpec
 from .scenario import ScenarioConfig
 
 TINY_HEADS = (1, 3, 4, 8, 16)
+# top-k widths of sparse scenarios: 1, non-multiples of the CPU tile (16), and 64 (the
+# interpreter is slow: the tiny spec keeps topk <= 64); DeepSeek size uses 2048
+TOPK_TINY = (1, 5, 16, 33, 64)
 CAPTURE_POOL = (1, 2, 3, 4, 8)
 
 
 @st.composite
 def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = True,
-            max_pages: int = 8, page_sizes=(4, 16, 64)) -> ScenarioConfig:
-    """A ``ScenarioConfig`` around ``base`` (heads varied for small specs)."""
+            max_pages: int = 8, page_sizes=(4, 16, 64), sparse_ok: bool = False) -> ScenarioConfig:
+    """A ``ScenarioConfig`` around ``base`` (heads varied for small specs). ``sparse_ok``:
+    the backend takes sparse batches, so a scenario may be sparse (then attention-only)."""
     spec = base
     if vary_heads and base.num_heads <= 16:
         spec = ModelSpec(**{**base.to_dict(), "num_heads": draw(st.sampled_from(TINY_HEADS))})
@@ -30,11 +35,16 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
     layer = layer_ok and draw(st.booleans())
     fp8_out = layer and draw(st.booleans())
     page_size = draw(st.sampled_from(page_sizes))
-    return ScenarioConfig(
+    cfg = ScenarioConfig(
         spec=spec.to_dict(), kv_dtype=kv_dtype, q_dtype=q_dtype, page_size=page_size,
         next_n=draw(st.integers(1, 4)), capture_sizes=sizes,
         max_pages_per_seq=max(1, min(max_pages, draw(st.integers(1, max_pages)) * 64 // page_size)),
         layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)))
+    # drawn last, so the draws above keep their meaning for existing repro files and seeds
+    if sparse_ok and draw(st.booleans()):
+        cfg.sparse, cfg.layer, cfg.fp8_out = True, False, False
+        cfg.topk = draw(st.sampled_from(TOPK_TINY if base.num_heads <= 16 else (64, 2048)))
+    return cfg
 
 
 @st.composite

@@ -88,12 +88,47 @@ class World:
             for i in range(q_lens[b]):
                 pos = seq_lens[b] - q_lens[b] + i
                 slots[b, i] = pages[pos // ps] * ps + pos % ps
+        sparse = {}
+        if cfg.sparse:
+            flat, indptr = self.topk_selection(draw, seq_lens, q_lens, table)
+            sparse = dict(topk_flat=flat, topk_indptr=indptr, topk=cfg.topk)
         return DecodeBatch(
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             q_lens=torch.tensor(q_lens, dtype=torch.int32),
             block_table=table, slot_mapping=slots, page_size=ps, next_n=cfg.next_n,
             max_decode_len=int(draw.get("max_decode_len") or max(q_lens + [0])),
-            pad_to=pad_to, kv_dtype=cfg.kv_dtype, null_block=0)
+            pad_to=pad_to, kv_dtype=cfg.kv_dtype, null_block=0, **sparse)
+
+    def topk_selection(self, draw: dict, seq_lens: list, q_lens: list,
+                       table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ragged top-k selection, as an engine's indexer hands it over: int32
+        ``(flat [nnz], indptr [B*next_n + 1])``.
+
+        Real token i of request b may pick among its visible keys (``seq_len - q_len + i + 1``,
+        bottom-right causal), each at most once; a row holds ``k`` distinct visible slots
+        (``k`` anywhere in ``[0, min(topk, visible)]``: topk > seq_len just selects everything)
+        padded with -1 up to a random length ``<= topk``, in random order — so rows of only
+        -1, empty rows and an nnz that shrinks and grows from step to step all occur.
+        Padding tokens get empty rows. Drawn from its own generator, so dense draws are
+        unchanged by it.
+        """
+        cfg = self.cfg
+        ps, n, topk = cfg.page_size, cfg.next_n, cfg.topk
+        g = _gen(int(draw["seed"]) * 131 + 17)
+        flat: list[int] = []
+        indptr = [0]
+        for b, (L, ql) in enumerate(zip(seq_lens, q_lens)):
+            for i in range(n):
+                if i < ql:
+                    visible = L - ql + i + 1
+                    k = int(torch.randint(0, min(topk, visible) + 1, (1,), generator=g))
+                    pos = torch.randperm(visible, generator=g)[:k].tolist()
+                    row = [int(table[b, p // ps]) * ps + p % ps for p in pos]
+                    row += [-1] * int(torch.randint(0, topk - k + 1, (1,), generator=g))
+                    order = torch.randperm(len(row), generator=g).tolist()
+                    flat.extend(row[j] for j in order)
+                indptr.append(len(flat))
+        return torch.tensor(flat, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32)
 
     @staticmethod
     def used_pages(batch: DecodeBatch) -> set[int]:

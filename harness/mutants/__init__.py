@@ -9,6 +9,7 @@ are a correct explanation of that bug.
 from .graph_state import HostSplitDecision, ItemInCapture, SharedLazySched, StaleFP8Metadata
 from .layout import NoncontigContextLens, PaddedSlotWrite
 from .padding import NanZeroLen, UninitPaddingAmax
+from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail
 
 ALL = {
     "stale-fp8-metadata": StaleFP8Metadata,
@@ -19,6 +20,9 @@ ALL = {
     "host-split-decision": HostSplitDecision,
     "item-in-capture": ItemInCapture,
     "nan-zero-len": NanZeroLen,
+    "ragged-fresh-alloc": RaggedFreshAlloc,
+    "ragged-item-sync": RaggedItemSync,
+    "ragged-stale-tail": RaggedStaleTail,
 }
 
 EXPECTED = {
@@ -30,6 +34,11 @@ EXPECTED = {
     "host-split-decision": {"laziness"},
     "item-in-capture": {"host-sync"},
     "nan-zero-len": {"padding-leak"},
+    "ragged-fresh-alloc": {"stale-address"},
+    "ragged-item-sync": {"host-sync"},
+    # the kernel reads data an earlier step left in a persistent buffer the build did not
+    # refresh: the stale-address family (diagnosis experiment "fresh backend")
+    "ragged-stale-tail": {"stale-address"},
 }
 
 __all__ = ["ALL", "EXPECTED"] + [c.__name__ for c in ALL.values()]

@@ -1,0 +1,513 @@
+"""A fuzz campaign: many ``fuzz()`` chunks over a pool of worker processes.
+
+The search runs in chunks of ``chunk`` examples; chunk ``k`` gets the seed
+``chunk_seed(seed, k)`` whichever worker runs it, so worker seeds are disjoint and an
+example-bounded campaign explores the same scenarios with 1 or N workers. Results merge
+in the parent: counts and coverage add up, failures are deduplicated by
+``harness.repro.signature`` and each distinct one is written to the corpus (atomically)
+as soon as it arrives -- so Ctrl-C or a killed worker never loses a repro already found.
+
+A worker that dies or hangs mid-step becomes a ``crash`` / ``hang`` failure with a repro
+built from its in-flight scenario (``harness.crash_repro``), reduced in fresh workers, and
+the campaign goes on with a restarted worker.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .crash_repro import StepReducer, crash_repro
+from .pool import Pool, exit_text
+from .repro import signature, write_repro
+
+DEFAULT_CHUNK = 25
+# Reductions of a crash found near the end may finish this long after the budget.
+REDUCE_GRACE_S = 30.0
+# After the budget, running chunks get this long to end on their own before being stopped.
+STOP_GRACE_S = 2.0
+# Consecutive worker deaths before any step (nothing to replay) that abort the campaign.
+MAX_BLIND_DEATHS = 3
+
+
+def chunk_seed(seed: int, k: int) -> int:
+    """Seed of chunk ``k`` of a campaign seeded ``seed``: distinct per chunk, independent
+    of which worker runs it."""
+    h = hashlib.blake2b(f"mla-fuzz:{seed}:{k}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little")
+
+
+@dataclass
+class CampaignOptions:
+    """What ``mla-fuzz run`` asked for; ``graph`` is already resolved (cuda/emulated/eager)."""
+
+    backend: str = "triton"
+    graph: str = "emulated"
+    spec: str = "tiny"
+    budget_s: float | None = 60.0
+    examples: int | None = None
+    seed: int = 0
+    corpus: Path = Path(".mla-fuzz/corpus")
+    worker_envs: list = field(default_factory=lambda: [{}])
+    case_timeout: float | None = 300.0
+    chunk: int = DEFAULT_CHUNK
+    reduce: bool = True
+
+
+@dataclass
+class Finding:
+    """One distinct failure (one signature) and where its repro is."""
+
+    signature: str
+    cls: str
+    oracle: str
+    message: str
+    path: Path | None
+    repro: dict
+    count: int = 1
+    found_at_s: float = 0.0
+    examples_to_detect: int | None = None
+    reduced_from: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"signature": self.signature, "class": self.cls, "oracle": self.oracle, "message": self.message,
+                "path": None if self.path is None else str(self.path), "count": self.count,
+                "steps": len(self.repro["steps"]), "found_at_s": round(self.found_at_s, 3),
+                "examples_to_detect": self.examples_to_detect, "reduced_from": self.reduced_from}
+
+
+@dataclass
+class CampaignResult:
+    options: CampaignOptions
+    started: float = field(default_factory=time.time)
+    elapsed: float = 0.0
+    examples: int = 0
+    steps: int = 0
+    chunks: int = 0
+    coverage: dict = field(default_factory=dict)
+    findings: dict = field(default_factory=dict)      # signature -> Finding
+    failures: Counter = field(default_factory=Counter)  # diagnosis class -> occurrences
+    restarts: int = 0
+    interrupted: bool = False
+    errors: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    error_kind: str | None = None                     # "input" | "internal" when the campaign could not run
+    workers: int = 1
+    state: str = "starting"
+    startup_s: float | None = None                    # until the first worker was ready
+
+    @property
+    def rate(self) -> float:
+        return self.examples / self.elapsed if self.elapsed > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        o = self.options
+        return {
+            "format": "mla-fuzz-report/1", "backend": o.backend, "graph_mode": o.graph, "spec": o.spec,
+            "seed": o.seed, "budget_s": o.budget_s, "examples_limit": o.examples, "workers": self.workers,
+            "case_timeout_s": o.case_timeout, "chunk": o.chunk, "corpus": str(o.corpus),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
+            "elapsed_s": round(self.elapsed, 3), "examples": self.examples, "steps": self.steps,
+            "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
+            "cases_per_s": round(self.rate, 3), "chunks": self.chunks, "restarts": self.restarts,
+            "interrupted": self.interrupted, "coverage": self.coverage,
+            "failures_by_class": dict(self.failures),
+            "failures": [f.to_dict() for f in self.findings.values()], "errors": self.errors,
+            "warnings": self.warnings,
+        }
+
+
+def shrink_seconds(budget_s: float | None) -> float | None:
+    """Hypothesis' wall-clock bound on shrinking one failure: a quarter of the budget,
+    between 5 s and 60 s; its own default (300 s) without a budget."""
+    return None if budget_s is None else max(5.0, min(60.0, budget_s / 4))
+
+
+def merge_coverage(into: dict, cov: dict) -> None:
+    """Add ``cov`` (key -> {value: count}) into ``into``."""
+    for key, values in (cov or {}).items():
+        dst = into.setdefault(key, {})
+        for v, n in values.items():
+            dst[v] = dst.get(v, 0) + int(n)
+
+
+def _size(repro: dict) -> tuple:
+    steps = repro["steps"]
+    return (len(steps), sum(len(s["batch"]["seq_lens"]) for s in steps))
+
+
+def clean_stale_temps(corpus: Path, older_than_s: float = 60.0) -> None:
+    """Remove temp files a killed writer left in the corpus (``write_repro`` names them
+    ``.tmp-*``); young ones may belong to a campaign writing right now."""
+    if not corpus.is_dir():
+        return
+    now = time.time()
+    for p in corpus.glob(".tmp-*"):
+        try:
+            if now - p.stat().st_mtime > older_than_s:
+                p.unlink()
+        except OSError:
+            pass
+
+
+class _Live:
+    """Counters of a running fuzz chunk, from its step messages (reports come at the end)."""
+
+    __slots__ = ("examples", "steps")
+
+    def __init__(self):
+        self.examples = 0
+        self.steps = 0
+
+
+class CampaignRun:
+    """Drives one campaign; ``run()`` returns the ``CampaignResult``.
+
+    ``display`` (optional) gets ``update(result, live_examples, live_steps)`` about four
+    times a second (the live counts are those of chunks still running) and ``note(text)``
+    for events worth a line (a new failure and its repro path).
+    """
+
+    def __init__(self, opts: CampaignOptions, display=None, log_dir: str | None = None):
+        self.opts = opts
+        self.display = display
+        self.result = CampaignResult(opts, workers=len(opts.worker_envs))
+        self._log_dir = log_dir
+        self._next_chunk = 0
+        self._dispatched = 0
+        self._live: dict[str, _Live] = {}
+        self._reducers: dict[str, StepReducer] = {}   # signature -> reducer
+        self._reducing: dict[str, str] = {}           # task id -> signature
+        self._stopping = False
+        self._hard = False
+        self._stop_sent = False
+        self._blind = 0
+        self._t0 = 0.0
+
+    # -- public --------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """First call: stop at the next step of every chunk and keep what was found; second
+        call: kill the workers now."""
+        if self._stopping and self.result.interrupted:
+            self._hard = True
+        self._stopping = True
+        self.result.interrupted = True
+        self.result.state = "stopping (Ctrl-C again to kill the workers)"
+
+    def run(self, handle_sigint: bool = True) -> CampaignResult:
+        opts = self.opts
+        opts.corpus = Path(opts.corpus)
+        clean_stale_temps(opts.corpus)
+        tmp = None
+        if self._log_dir is None:
+            tmp = tempfile.TemporaryDirectory(prefix="mla-fuzz-workers-")
+            self._log_dir = tmp.name
+        pool = Pool(opts.worker_envs, self._log_dir, case_timeout=opts.case_timeout)
+        old_handler = None
+        if handle_sigint and threading.current_thread() is threading.main_thread():
+            old_handler = signal.signal(signal.SIGINT, lambda *_: self.interrupt())
+        self._t0 = time.monotonic()
+        try:
+            pool.start()
+            self.result.state = "starting workers"
+            self._loop(pool)
+        finally:
+            pool.close(kill=self._hard or self.result.interrupted)
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+            self.result.elapsed = time.monotonic() - self._t0
+            self.result.restarts = pool.restarts
+            self._absorb_live()
+            self.result.state = "interrupted" if self.result.interrupted else "done"
+            if tmp is not None:
+                tmp.cleanup()
+        return self.result
+
+    # -- loop ----------------------------------------------------------------------------
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _time_left(self) -> float | None:
+        b = self.opts.budget_s
+        return None if b is None else b - self._elapsed()
+
+    def _chunks_left(self) -> bool:
+        if self._stopping:
+            return False
+        left = self._time_left()
+        if left is not None and left <= 0.2:
+            return False
+        return self.opts.examples is None or self._dispatched < self.opts.examples
+
+    def _reduce_allowed(self) -> bool:
+        if self._stopping and self.result.interrupted:
+            return False
+        left = self._time_left()
+        return left is None or left > -REDUCE_GRACE_S
+
+    def _next_task(self) -> dict | None:
+        opts = self.opts
+        if self._reduce_allowed():
+            for sig, red in self._reducers.items():
+                if sig in self._reducing.values():
+                    continue
+                cand = red.candidate()
+                if cand is None:
+                    continue
+                tid = f"r{len(self._reducing)}-{red.tries}-{time.monotonic_ns()}"
+                self._reducing[tid] = sig
+                f = self.result.findings[sig]
+                return {"op": "replay", "id": tid, "backend": f.repro["backend"], "graph": opts.graph,
+                        "config": f.repro["config"], "steps": cand, "diagnose": False}
+        if not self._chunks_left():
+            return None
+        k = self._next_chunk
+        n = opts.chunk if opts.examples is None else min(opts.chunk, opts.examples - self._dispatched)
+        self._next_chunk += 1
+        self._dispatched += n
+        tid = f"c{k}"
+        self._live[tid] = _Live()
+        return {"op": "fuzz", "id": tid, "backend": opts.backend, "graph": opts.graph, "spec": opts.spec,
+                "examples": n, "seed": chunk_seed(opts.seed, k), "budget_s": self._time_left(), "shrink": True,
+                "shrink_seconds": shrink_seconds(opts.budget_s), "chunk": k}
+
+    def _work_left(self) -> bool:
+        if self._chunks_left():
+            return True
+        return self._reduce_allowed() and any(r.candidate() is not None for s, r in self._reducers.items()
+                                              if s not in self._reducing.values())
+
+    def _loop(self, pool: Pool) -> None:
+        last_draw = 0.0
+        while not self._hard:
+            if not self._stopping and self._time_left() is not None and self._time_left() <= 0:
+                self._stopping = True
+                self.result.state = "finishing"
+            left = self._time_left()
+            overdue = left is not None and left < -STOP_GRACE_S
+            if (self.result.interrupted or overdue) and not self._stop_sent:
+                # fuzz() checks its budget between scenarios only; a slow scenario (the
+                # interpreter, a big spec) is cut at its next step instead.
+                self._stop_sent = True
+                pool.request_stop()
+                if self.result.interrupted:
+                    # Reductions re-run failures already on disk: nothing to lose by ending them.
+                    pool.kill_busy(lambda task: task.get("op") == "replay")
+            for w in pool.idle():
+                task = self._next_task()
+                if task is None:
+                    break
+                pool.submit(w, task)
+            if not pool.busy and not self._work_left():
+                break
+            for ev in pool.poll(0.25):
+                self._event(ev, pool)
+                if self.result.error_kind is not None:
+                    self._hard = True
+            if self.result.state == "starting workers" and any(w.ready for w in pool.workers):
+                self.result.state = "running"
+                self.result.startup_s = self._elapsed()
+            now = time.monotonic()
+            if self.display is not None and now - last_draw >= 0.25:
+                last_draw = now
+                self._draw()
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.display is None:
+            return
+        self.result.elapsed = self._elapsed()
+        live_e = sum(v.examples for v in self._live.values())
+        live_s = sum(v.steps for v in self._live.values())
+        self.display.update(self.result, live_e, live_s)
+
+    def _absorb_live(self) -> None:
+        """Chunks that never reported (killed, interrupted) still count what they ran."""
+        for v in self._live.values():
+            self.result.examples += v.examples
+            self.result.steps += v.steps
+        self._live.clear()
+
+    # -- events --------------------------------------------------------------------------
+    def _event(self, ev, pool: Pool) -> None:
+        task = ev.task or {}
+        tid = task.get("id")
+        if ev.kind == "fatal":
+            self.result.errors.append(f"worker {ev.slot} could not start: {ev.msg.get('error')}"
+                                      + _tail_text(ev.msg.get("log_tail")))
+            self.result.error_kind = "internal"
+            return
+        if ev.kind == "step":
+            live = self._live.get(tid)
+            if live is not None:
+                # an empty step list announces a new scenario (see fuzz's on_step)
+                if ev.msg.get("steps"):
+                    live.steps += 1
+                else:
+                    live.examples += 1
+            return
+        if ev.kind == "error":
+            self._live.pop(tid, None)
+            self._reducing.pop(tid, None)
+            self.result.errors.append(f"{ev.msg.get('error')}" + (
+                "" if ev.msg.get("kind") == "input" else "\n" + (ev.msg.get("traceback") or "")))
+            self.result.error_kind = ev.msg.get("kind") or "internal"
+            return
+        if ev.kind == "done":
+            if tid in self._reducing:
+                self._reduced(self._reducing.pop(tid), False)
+                return
+            self._live.pop(tid, None)
+            rep = ev.msg["report"]
+            self.result.chunks += 1
+            self.result.examples += int(rep.get("examples") or 0)
+            self.result.steps += int(rep.get("steps") or 0)
+            merge_coverage(self.result.coverage, rep.get("coverage"))
+            if rep.get("lost"):
+                self.result.warnings.append(
+                    f"chunk {task.get('chunk')} (seed {task.get('seed')}) was ended by the budget or a stop while "
+                    f"Hypothesis was shrinking a failure, which is lost ({rep['lost']}); a longer --budget or "
+                    f"--examples finds it again")
+                if self.display is not None:
+                    self.display.note("warning: " + self.result.warnings[-1])
+            if rep.get("repro") is not None:
+                self._found(rep["repro"], rep.get("examples_to_detect"))
+            return
+        if ev.kind in ("died", "hung"):
+            self._process_failure(ev, task)
+
+    def _process_failure(self, ev, task: dict) -> None:
+        tid = task.get("id")
+        if tid in self._reducing:
+            sig = self._reducing.pop(tid)
+            if self.result.interrupted:
+                return  # killed by the interrupt, not by the candidate
+            want = self.result.findings[sig].cls
+            self._reduced(sig, (ev.kind == "died" and want == "crash") or (ev.kind == "hung" and want == "hang"))
+            return
+        live = self._live.pop(tid, None)
+        if live is not None:
+            self.result.examples += live.examples
+            self.result.steps += live.steps
+            self.result.chunks += 1
+            if self.opts.examples is not None:
+                # The examples the dead chunk never ran go back to be dispatched (new seed).
+                self._dispatched -= max(0, int(task.get("examples", 0)) - live.examples)
+        search = {"seed": task.get("seed"), "chunk": task.get("chunk"), "campaign_seed": self.opts.seed,
+                  "worker": ev.slot, "case_timeout_s": self.opts.case_timeout}
+        repro = crash_repro(ev.kind, self.opts.backend, self.opts.graph, ev.msg, search, self.opts.case_timeout)
+        if repro is None:
+            self._blind += 1
+            self.result.failures["crash" if ev.kind == "died" else "hang"] += 1
+            self.result.errors.append(f"worker {ev.slot} {exit_text(ev.msg.get('returncode'))} before its first "
+                                      f"step (no scenario to replay)" + _tail_text(ev.msg.get("log_tail")))
+            if self._blind >= MAX_BLIND_DEATHS:
+                self.result.errors.append(f"{MAX_BLIND_DEATHS} workers in a row died before running a step; "
+                                          "giving up")
+                self.result.error_kind = "internal"
+            return
+        self._blind = 0
+        new = self._found(repro, None)
+        if new and self.opts.reduce and len(repro["steps"]) > 1:
+            self._reducers[signature(repro)] = StepReducer(repro["steps"])
+
+    def _found(self, repro: dict, examples_to_detect) -> bool:
+        """Record a failure; write its repro if its signature is new (or it is smaller than
+        the one already written this campaign). True when the signature is new."""
+        sig = signature(repro)
+        cls = (repro.get("diagnosis") or {}).get("cls") or "unknown"
+        self.result.failures[cls] += 1
+        old = self.result.findings.get(sig)
+        if old is not None:
+            old.count += 1
+            if _size(repro) < _size(old.repro):
+                self._replace(old, repro)
+            return False
+        path = write_repro(repro, self.opts.corpus)
+        fail = repro.get("failure") or {}
+        self.result.findings[sig] = Finding(sig, cls, fail.get("oracle", "?"), fail.get("message", ""), path, repro,
+                                            found_at_s=self._elapsed(), examples_to_detect=examples_to_detect)
+        if self.display is not None:
+            self.display.note(f"{cls}: [{fail.get('oracle')}] {_short(fail.get('message', ''))} -> {path}")
+        return True
+
+    def _replace(self, finding: Finding, repro: dict) -> None:
+        """Swap in a smaller repro of the same signature: the new file is complete before the
+        old one goes, so the corpus always holds one of them."""
+        path = write_repro(repro, self.opts.corpus)
+        if finding.path is not None and finding.path != path:
+            try:
+                finding.path.unlink()
+            except OSError:
+                pass
+        finding.path = path
+        finding.repro = repro
+        finding.message = (repro.get("failure") or {}).get("message", finding.message)
+
+    def _reduced(self, sig: str, reproduced: bool) -> None:
+        red = self._reducers[sig]
+        finding = self.result.findings[sig]
+        before = len(red.best)
+        red.result(reproduced)
+        if reproduced and len(red.best) < before:
+            repro = dict(finding.repro)
+            repro["steps"] = red.best
+            repro["failure"] = dict(repro["failure"], step=len(red.best) - 1)
+            msg = repro["failure"].get("message", "")
+            repro["failure"]["message"] = msg.replace(f"step {before - 1} (", f"step {len(red.best) - 1} (", 1)
+            repro["diagnosis"] = dict(repro["diagnosis"], explanation=repro["diagnosis"]["explanation"].replace(
+                f"step {before - 1} (", f"step {len(red.best) - 1} (", 1))
+            if finding.reduced_from is None:
+                finding.reduced_from = len(finding.repro["steps"])
+            self._replace(finding, repro)
+
+
+def _short(text: str, n: int = 140) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _tail_text(lines) -> str:
+    lines = [ln for ln in (lines or []) if ln.strip()]
+    return "" if not lines else "\n  worker log:\n    " + "\n    ".join(lines[-12:])
+
+
+def worker_envs(workers: str | int, mode: str, device_count: int | None = None,
+                cpu_count: int | None = None) -> list[dict]:
+    """Environment additions for each worker process.
+
+    ``workers``: an int >= 1 or ``"auto"``. GPU modes (``cuda``, and ``eager`` when a GPU is
+    visible) give each worker one GPU by ``CUDA_VISIBLE_DEVICES`` (round robin when there are
+    more workers than GPUs; ``auto`` = one per GPU). CPU modes (``emulated``, ``eager``
+    without a GPU) run the kernels through Triton's interpreter (``TRITON_INTERPRET=1``) with
+    no GPU visible; ``auto`` = one per CPU core, and torch's intra-op threads are split among
+    the workers so they do not oversubscribe the cores.
+    """
+    if device_count is None:
+        import torch
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu = mode == "cuda" or (mode == "eager" and device_count > 0)
+    if cpu_count is None:
+        try:
+            cpu_count = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cpu_count = os.cpu_count() or 1
+    if gpu:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(device_count)]
+        ids = ids[:device_count] or ["0"]
+        n = len(ids) if workers == "auto" else int(workers)
+        return [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} for i in range(n)]
+    n = cpu_count if workers == "auto" else int(workers)
+    threads = str(max(1, cpu_count // max(n, 1)))
+    env = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET") or "1",
+           "MLA_FUZZ_TORCH_THREADS": threads}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = threads
+    return [dict(env) for _ in range(n)]

@@ -1,0 +1,423 @@
+"""``mla-fuzz``: the command line (``run``, ``replay``, ``mutants``, ``bisect``).
+
+Exit codes: 0 nothing found (or every repro fixed); 1 failures found (a repro still
+fails, a mutant escaped or the clean backend was flagged); 2 usage or input error (bad
+flag, unknown backend or mutant, bad budget, missing or malformed repro file: one line
+on stderr, never a traceback); 3 internal error (a worker that cannot start, a harness
+bug: the traceback goes to stderr); 130 interrupted with nothing found.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+SPECS = ("tiny", "deepseek-v3")
+GRAPHS = ("auto", "cuda", "emulated", "eager")
+DEFAULT_BUDGET_S = 60.0
+DEFAULT_CASE_TIMEOUT_S = 300.0
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|h|m|s)?", re.IGNORECASE)
+_UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, None: 1.0}
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2. ``prog`` names the
+    (sub)command when the parser knows it."""
+
+    def __init__(self, message: str, prog: str | None = None):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the whole usage block and exit
+        raise UsageError(message, self.prog)
+
+
+def parse_duration(text: str, what: str = "--budget") -> float:
+    """Seconds in ``"90"``, ``"60s"``, ``"5m"``, ``"1h30m"``, ``"1.5m"``, ``"500ms"``; UsageError otherwise."""
+    s = str(text).strip().lower().replace(" ", "")
+    pos, total = 0, 0.0
+    while pos < len(s):
+        m = _DURATION.match(s, pos)
+        if m is None:
+            break
+        total += float(m.group(1)) * _UNIT[m.group(2)]
+        pos = m.end()
+    if not s or pos != len(s):
+        raise UsageError(f"{what}: expected a duration such as 90, 60s, 5m or 1h30m, got {text!r}")
+    if total <= 0:
+        raise UsageError(f"{what}: must be positive, got {text!r}")
+    return total
+
+
+def _positive_int(what: str, text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise UsageError(f"{what}: expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise UsageError(f"{what}: expected a positive integer, got {text!r}")
+    return v
+
+
+def _workers(text: str):
+    return "auto" if str(text).strip().lower() == "auto" else _positive_int("--workers", text)
+
+
+def _build_parser() -> _Parser:
+    ap = _Parser(prog="mla-fuzz", description="Property-based fuzzer for MLA decode backends under CUDA graphs.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="fuzz campaign against a backend", description="Fuzz campaign: searches "
+                         "scenarios in chunks over worker processes until the budget is spent; writes each distinct "
+                         "failure as a repro file. Exit 0 nothing found, 1 failures found, 2 usage error.")
+    target = run.add_argument_group("target")
+    target.add_argument("--backend", default=None, metavar="REF",
+                        help="'triton' (default), 'mutant:NAME' or 'package.module:Class'")
+    target.add_argument("--mutant", default=None, metavar="NAME", help="shorthand for --backend mutant:NAME")
+    target.add_argument("--graph", default="auto", choices=GRAPHS,
+                        help="graph mode (default auto: cuda with a GPU, else emulated)")
+    target.add_argument("--spec", default="tiny", choices=SPECS, help="model dimensions (default tiny)")
+    lim = run.add_argument_group("limits")
+    lim.add_argument("--budget", default=None, metavar="DURATION",
+                     help=f"wall-clock budget: 90, 60s, 5m, 1h (default {DEFAULT_BUDGET_S:g}s; none when only "
+                          "--examples is given)")
+    lim.add_argument("--examples", default=None, metavar="N", help="stop after N examples (with --budget: "
+                     "whichever comes first)")
+    lim.add_argument("--case-timeout", default=None, metavar="SECONDS",
+                     help=f"a step running longer is a 'hang' failure (default {DEFAULT_CASE_TIMEOUT_S:g})")
+    lim.add_argument("--seed", default=None, metavar="S", help="campaign seed (default: random, printed)")
+    lim.add_argument("--workers", default="1", metavar="N|auto",
+                     help="worker processes: N, or auto = one per GPU (cuda) / per CPU core (emulated)")
+    lim.add_argument("--chunk", default=None, metavar="N", help="examples per fuzz() call (default 25)")
+    out = run.add_argument_group("output")
+    out.add_argument("--corpus", default=".mla-fuzz/corpus", metavar="DIR",
+                     help="where repro files go (default .mla-fuzz/corpus)")
+    out.add_argument("--json", default=None, metavar="REPORT", help="write the campaign report as JSON")
+    out.add_argument("--quiet", action="store_true", help="no live progress")
+    out.add_argument("--no-reduce", action="store_true", help="do not reduce crash/hang repros")
+
+    rep = sub.add_parser("replay", help="re-run repro files deterministically",
+                         description="Re-run repro files; print the minimal steps and the diagnosis. Exit 1 if one "
+                         "still fails, 0 if all pass (fixed), 2 for a missing, malformed or unsupported file.")
+    rep.add_argument("files", nargs="+", metavar="FILE")
+    rep.add_argument("--backend", default=None, metavar="REF", help="replay against this backend instead")
+    rep.add_argument("--graph", default=None, choices=GRAPHS, help="replay in this graph mode instead")
+    rep.add_argument("--isolate", action="store_true", default=None,
+                     help="replay in a worker process (default only for crash/hang repros)")
+    rep.add_argument("--case-timeout", default=None, metavar="SECONDS",
+                     help=f"for isolated replays: a step running longer is a hang (default {DEFAULT_CASE_TIMEOUT_S:g})")
+    rep.add_argument("--json", default=None, metavar="FILE", help="write the outcomes as JSON")
+
+    mut = sub.add_parser("mutants", help="mutation detection matrix",
+                         description="Fuzz every mutant and the clean triton backend; one row each. Exit 1 if a "
+                         "mutant escapes or the clean backend is flagged.")
+    mut.add_argument("--graph", default="auto", choices=GRAPHS)
+    mut.add_argument("--spec", default="tiny", choices=SPECS)
+    mut.add_argument("--examples", default="100", metavar="N", help="examples per backend (default 100)")
+    mut.add_argument("--seed", default="0", metavar="S", help="seed for every row (default 0)")
+    mut.add_argument("--only", default=None, metavar="NAMES", help="comma-separated mutant names")
+    mut.add_argument("--no-clean", action="store_true", help="skip the clean triton row")
+    mut.add_argument("--workers", default="1", metavar="N|auto")
+    mut.add_argument("--case-timeout", default=None, metavar="SECONDS")
+    mut.add_argument("--corpus", default=None, metavar="DIR", help="also write each row's repro here")
+    mut.add_argument("--strict", action="store_true", help="exit 1 also when a diagnosis is not an expected one")
+    mut.add_argument("--json", default=None, metavar="FILE", help="write the matrix as JSON")
+
+    from .bisect import add_bisect_parser  # stdlib-only module: cheap at parser build
+    add_bisect_parser(sub)
+    return ap
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _seed(text) -> int:
+    if text is None:
+        return secrets.randbelow(2**31)
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--seed: expected an integer, got {text!r}") from None
+
+
+def _case_timeout(text) -> float:
+    return DEFAULT_CASE_TIMEOUT_S if text is None else parse_duration(text, "--case-timeout")
+
+
+def _cuda() -> bool:
+    import torch
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _use_interpreter_here(mode: str) -> None:
+    """Kernels that run on CPU tensors in this process need Triton's interpreter, chosen
+    before the kernels module is imported (Triton decides at decoration time)."""
+    cpu = mode == "emulated" or (mode == "eager" and not _cuda()) or (mode == "cuda" and not _cuda())
+    if cpu and not os.environ.get("TRITON_INTERPRET"):
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _resolve_mode(graph: str) -> str:
+    """``auto`` -> ``cuda`` with a GPU, else ``emulated`` (as ``harness.graphs.make_runner``).
+
+    Decided here without building a runner: a CUDA runner would initialise CUDA in this
+    process, which only supervises and should hold no GPU memory."""
+    if graph == "auto":
+        return "cuda" if _cuda() else "emulated"
+    if graph == "cuda" and not _cuda():
+        raise UsageError("--graph cuda: no CUDA device is available (torch.cuda.is_available() is False); "
+                         "use --graph emulated or auto")
+    return graph
+
+
+def _check_backend(ref: str) -> None:
+    from .loading import load_backend
+    try:
+        load_backend(ref)
+    except (ValueError, ImportError) as exc:
+        raise UsageError(f"--backend: {exc}") from None
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    """Atomic JSON write (temp file + rename): a reader never sees half a report."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(obj, fh, indent=2, default=str)
+            fh.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return p
+
+
+def _print_lines(lines, stream=None) -> None:
+    stream = stream or sys.stdout
+    for ln in lines:
+        print(ln, file=stream)
+    stream.flush()
+
+
+# -- commands ------------------------------------------------------------------------------
+def cmd_run(args) -> int:
+    from .campaign import DEFAULT_CHUNK, CampaignOptions, CampaignRun, worker_envs
+    from .progress import make_progress
+    from .render import summary_lines
+
+    if args.backend and args.mutant:
+        raise UsageError("give either --backend or --mutant, not both")
+    backend = f"mutant:{args.mutant}" if args.mutant else (args.backend or "triton")
+    examples = None if args.examples is None else _positive_int("--examples", args.examples)
+    budget = parse_duration(args.budget) if args.budget is not None else (None if examples else DEFAULT_BUDGET_S)
+    chunk = DEFAULT_CHUNK if args.chunk is None else _positive_int("--chunk", args.chunk)
+    seed, case_timeout, workers = _seed(args.seed), _case_timeout(args.case_timeout), _workers(args.workers)
+    mode = _resolve_mode(args.graph)
+    _check_backend(backend)
+    opts = CampaignOptions(backend=backend, graph=mode, spec=args.spec, budget_s=budget, examples=examples, seed=seed,
+                           corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
+                           case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce)
+    print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {args.spec}, seed {seed}, "
+          f"{len(opts.worker_envs)} worker(s), " + ("no time limit" if budget is None else f"budget {budget:g}s")
+          + ("" if examples is None else f", {examples} examples"), file=sys.stderr, flush=True)
+    display = None if args.quiet else make_progress()
+    if display is not None:
+        with display:
+            result = CampaignRun(opts, display).run()
+    else:
+        result = CampaignRun(opts).run()
+    report = result.to_dict()
+    if result.error_kind == "input":
+        code = EXIT_USAGE
+    elif result.error_kind is not None:
+        code = EXIT_INTERNAL
+    elif result.findings:
+        code = EXIT_FOUND
+    elif result.interrupted:
+        code = EXIT_INTERRUPTED
+    else:
+        code = EXIT_OK
+    report["exit_code"] = code
+    _print_lines(summary_lines(result))
+    if args.json:
+        write_json(args.json, report)
+        print(f"report: {args.json}")
+    if result.error_kind == "input":
+        print(f"mla-fuzz run: error: {result.errors[-1] if result.errors else 'bad input'}", file=sys.stderr)
+    return code
+
+
+def cmd_replay(args) -> int:
+    from .campaign import worker_envs
+    from .render import scenario_lines
+    from .repro import ReproError, load_repro
+    from .replaying import replay
+
+    case_timeout = _case_timeout(args.case_timeout)
+    if args.backend:
+        _check_backend(args.backend)
+    code = EXIT_OK
+    outcomes = []
+    for path in args.files:
+        try:
+            data = load_repro(path)
+        except ReproError as exc:
+            print(f"mla-fuzz replay: error: {exc}", file=sys.stderr)
+            code = EXIT_USAGE
+            outcomes.append({"file": path, "error": str(exc)})
+            continue
+        mode = args.graph or data["graph_mode"]
+        if mode == "cuda" and not _cuda():
+            mode = "emulated"  # as replay_repro does: graph semantics kept, no GPU needed
+        _use_interpreter_here(mode)
+        isolate = args.isolate
+        if isolate is None and "kernels" in sys.modules and _interp_mismatch(mode):
+            isolate = True
+        backend = args.backend or data["backend"]
+        print(f"== {path}\nbackend {backend}, graph {mode}" + (" (in a worker process)" if isolate or (
+            isolate is None and _is_process(data)) else ""))
+        print("recorded: " + _failure_text(data.get("failure"), data.get("diagnosis")))
+        try:
+            out = replay(data, backend=args.backend, graph=mode, isolate=isolate,
+                         env=worker_envs(1, mode)[0], case_timeout=case_timeout)
+        except ValueError as exc:
+            print(f"mla-fuzz replay: error: {path}: {exc}", file=sys.stderr)
+            code = EXIT_USAGE
+            outcomes.append({"file": path, "error": str(exc)})
+            continue
+        _print_lines(scenario_lines(data["config"], data["steps"], out.step if out.failed else None, out.oracle))
+        if out.failed:
+            print(f"STILL FAILS at step {out.step}: [{out.oracle}] {out.message}")
+            if out.diagnosis:
+                print(f"diagnosis: {out.diagnosis.get('cls')} -- {out.diagnosis.get('explanation')}")
+            code = max(code, EXIT_FOUND)
+        else:
+            print(f"PASSES: no oracle fires ({out.seconds:.1f}s) -- fixed, or the failure needs the recorded backend")
+        outcomes.append({"file": path, "failed": out.failed, "graph_mode": out.graph_mode, "oracle": out.oracle,
+                         "step": out.step, "message": out.message, "diagnosis": out.diagnosis,
+                         "isolated": out.isolated, "seconds": round(out.seconds, 3)})
+    if args.json:
+        write_json(args.json, {"format": "mla-fuzz-replay/1", "exit_code": code, "outcomes": outcomes})
+    return code
+
+
+def _is_process(data) -> bool:
+    from .crash_repro import is_process_failure
+    return is_process_failure(data)
+
+
+def _interp_mismatch(mode: str) -> bool:
+    """True when this process imported the kernels with the wrong interpreter setting for
+    ``mode`` (e.g. a cuda replay, then an emulated one on a GPU box)."""
+    want_cpu = mode == "emulated" or (mode == "eager" and not _cuda())
+    return want_cpu != bool(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+def _failure_text(failure, diagnosis) -> str:
+    f = failure or {}
+    d = diagnosis or {}
+    return f"[{f.get('oracle', '?')}] at step {f.get('step')}, diagnosis {d.get('cls', '?')}"
+
+
+def cmd_mutants(args) -> int:
+    from .campaign import worker_envs
+    from .matrix import CLEAN, load_mutants, matrix_json, run_matrix, verdict
+    from .render import MATRIX_HEADERS, matrix_rows, table
+
+    examples = _positive_int("--examples", args.examples)
+    seed = _seed(args.seed)
+    case_timeout = _case_timeout(args.case_timeout)
+    workers = _workers(args.workers)
+    mode = _resolve_mode(args.graph)
+    try:
+        all_, expected = load_mutants()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    names = sorted(all_)
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in all_]
+        if unknown:
+            raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(names)}")
+        names = wanted
+    refs = [f"mutant:{n}" for n in names] + ([] if args.no_clean else [CLEAN])
+    print(f"mla-fuzz mutants: {len(refs)} backends, graph {mode}, spec {args.spec}, {examples} examples, seed {seed}",
+          file=sys.stderr, flush=True)
+
+    def on_row(row, done, total):
+        what = (f"caught after {row['examples_to_detect']} examples: {row['diagnosis']}" if row["caught"]
+                else f"nothing found in {row['examples']} examples")
+        print(f"[{done}/{total}] {row['name']}: {what}" + (f" (error: {row['error']})" if row.get("error") else ""),
+              file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    rows = run_matrix(refs, expected, graph=mode, spec=args.spec, examples=examples, seed=seed,
+                      worker_envs=worker_envs(workers, mode), case_timeout=case_timeout,
+                      corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row)
+    code, reasons = verdict(rows, strict=args.strict)
+    _print_lines(table(MATRIX_HEADERS, matrix_rows(rows), indent=""))
+    for r in reasons:
+        print("FAIL: " + r)
+    if len(rows) < len(refs):
+        print(f"INTERRUPTED after {len(rows)} of {len(refs)} rows")
+        code = code or EXIT_INTERRUPTED
+    if args.json:
+        write_json(args.json, matrix_json(rows, graph=mode, spec=args.spec, examples=examples, seed=seed,
+                                          seconds=time.monotonic() - t0) | {"exit_code": code})
+    return code
+
+
+def cmd_bisect(args) -> int:
+    from .bisect import run_bisect
+    return run_bisect(args)
+
+
+COMMANDS = {"run": cmd_run, "replay": cmd_replay, "mutants": cmd_mutants, "bisect": cmd_bisect}
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``mla-fuzz`` console script; returns the exit status."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if not args.cmd:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        if not _cuda() and not os.environ.get("TRITON_INTERPRET"):
+            os.environ["TRITON_INTERPRET"] = "1"  # no GPU: kernels in this process can only be interpreted
+        return COMMANDS[args.cmd](args)
+    except UsageError as exc:
+        cmd = getattr(locals().get("args"), "cmd", None)
+        prog = exc.prog or ("mla-fuzz" + (f" {cmd}" if cmd else ""))
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except KeyboardInterrupt:
+        print("mla-fuzz: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:  # a harness bug: keep the traceback, but never exit 1 ("found")
+        import traceback
+        traceback.print_exc()
+        print("mla-fuzz: internal error (the traceback above); please report it", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The mutation detection matrix: every mutant in ``harness.mutants.ALL`` fuzzed with the
+same seed and example count, plus the clean ``triton`` backend, each in a worker process.
+
+A row says whether the mutant was caught, after how many examples and seconds, with
+which diagnosis class, and whether that class is one ``harness.mutants.EXPECTED`` accepts.
+A mutant that kills or hangs its worker is caught as ``crash`` / ``hang``.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from .crash_repro import CLASSES, crash_repro
+from .pool import Pool
+from .repro import write_repro
+
+CLEAN = "triton"
+
+
+def load_mutants() -> tuple[dict, dict]:
+    """``(ALL, EXPECTED)`` from ``harness.mutants``; ValueError saying why if unavailable."""
+    try:
+        from . import mutants
+    except Exception as exc:
+        raise ValueError(f"harness.mutants cannot be imported ({type(exc).__name__}: {exc})") from None
+    all_ = getattr(mutants, "ALL", None)
+    if not isinstance(all_, dict) or not all_:
+        raise ValueError("harness.mutants.ALL is missing or empty")
+    return all_, dict(getattr(mutants, "EXPECTED", {}) or {})
+
+
+def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examples: int, seed: int,
+               worker_envs: list[dict], case_timeout: float | None, corpus: Path | None = None,
+               on_row=None) -> list[dict]:
+    """Fuzz each backend ref in ``names`` (``mutant:NAME`` or ``triton``); one dict per row in
+    ``names`` order. ``on_row(row, done, total)`` is called as rows finish. On Ctrl-C the
+    rows finished so far are returned (fewer than ``names``)."""
+    tasks = [{"op": "fuzz", "id": f"m{i}", "backend": ref, "graph": graph, "spec": spec, "examples": examples,
+              "seed": seed, "budget_s": None, "shrink": True} for i, ref in enumerate(names)]
+    rows: dict[str, dict] = {}
+    pending = list(tasks)
+    with tempfile.TemporaryDirectory(prefix="mla-fuzz-matrix-") as logs:
+        pool = Pool(worker_envs[: max(1, min(len(worker_envs), len(tasks)))], logs, case_timeout=case_timeout)
+        pool.start()
+        try:
+            _drive(pool, pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            pool.close(kill=True)
+    return [rows[t["id"]] for t in tasks if t["id"] in rows]
+
+
+def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on_row) -> None:
+    while pending or pool.busy:
+        for w in pool.idle():
+            if not pending:
+                break
+            pool.submit(w, pending.pop(0))
+        for ev in pool.poll(0.25):
+            if ev.kind == "fatal":
+                raise RuntimeError(f"worker could not start: {ev.msg.get('error')}\n"
+                                   + "\n".join(ev.msg.get("log_tail") or []))
+            if ev.kind in ("step", "phase", "ready"):
+                continue
+            row = _row(ev, expected, graph, case_timeout, corpus)
+            rows[ev.task["id"]] = row
+            if on_row is not None:
+                on_row(row, len(rows), total)
+
+
+def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
+    ref = ev.task["backend"]
+    name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
+    row = {"name": name, "backend": ref, "caught": False, "examples": None, "examples_to_detect": None,
+           "seconds": None, "diagnosis": None, "oracle": None, "expected": sorted(expected.get(name, ())),
+           "matches": None, "repro": None, "error": None}
+    repro = None
+    if ev.kind == "done":
+        rep = ev.msg["report"]
+        repro = rep.get("repro")
+        row["examples"] = rep.get("examples")
+        row["examples_to_detect"] = rep.get("examples_to_detect")
+        row["seconds"] = rep.get("seconds_to_detect") if repro is not None else rep.get("seconds")
+    elif ev.kind == "error":
+        row["error"] = ev.msg.get("error")
+    else:  # died / hung
+        repro = crash_repro(ev.kind, ref, graph, ev.msg, {"seed": ev.task.get("seed")}, case_timeout)
+        row["seconds"] = ev.msg.get("seconds")
+        if repro is None:
+            row["diagnosis"] = CLASSES[ev.kind]
+            row["caught"] = True
+    if repro is not None:
+        row["caught"] = True
+        row["diagnosis"] = (repro.get("diagnosis") or {}).get("cls")
+        row["oracle"] = (repro.get("failure") or {}).get("oracle")
+        if corpus is not None:
+            row["repro"] = str(write_repro(repro, corpus))
+    if ref != CLEAN and row["caught"] and row["expected"]:
+        row["matches"] = row["diagnosis"] in row["expected"]
+    return row
+
+
+def verdict(rows: list[dict], strict: bool = False) -> tuple[int, list[str]]:
+    """Exit status and reasons: 1 when a mutant escaped, the clean backend was flagged, a
+    row errored, or (``strict``) a diagnosis is not an expected one."""
+    bad = []
+    for r in rows:
+        if r.get("error"):
+            bad.append(f"{r['name']}: error: {r['error']}")
+        elif r["backend"] == CLEAN and r["caught"]:
+            bad.append(f"clean backend flagged: {r['diagnosis']}")
+        elif r["backend"] != CLEAN and not r["caught"]:
+            bad.append(f"{r['name']} escaped ({r['examples']} examples)")
+        elif strict and r.get("matches") is False:
+            bad.append(f"{r['name']} diagnosed {r['diagnosis']}, expected one of {r['expected']}")
+    return (1 if bad else 0), bad
+
+
+def matrix_json(rows: list[dict], *, graph: str, spec: str, examples: int, seed: int, seconds: float) -> dict:
+    return {"format": "mla-fuzz-matrix/1", "graph_mode": graph, "spec": spec, "examples": examples, "seed": seed,
+            "wall_s": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}

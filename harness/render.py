@@ -1,0 +1,159 @@
+"""Plain-text rendering for the command line: scenario steps, coverage, summary tables.
+
+Everything here returns strings (no printing, no colour), so it reads the same in a
+terminal, a CI log and a test; ``harness.progress`` adds rich formatting on a TTY.
+"""
+from __future__ import annotations
+
+# The dimensions the live display and the summary show first, in this order.
+COVERAGE_ORDER = ("next_n", "kv_dtype", "mtp", "padding", "seq_len", "op", "layer", "fp8_out", "page_size", "heads")
+COVERAGE_LABEL = {"kv_dtype": "kv", "mtp": "MTP", "padding": "padding", "seq_len": "seq_len",
+                  "op": "ops", "page_size": "page"}
+
+
+def spec_label(spec: dict) -> str:
+    """``tiny (8 heads)``, ``deepseek-v3`` or ``custom (rank 256, rope 32, 16 heads)``."""
+    from mla_ref import ModelSpec
+    try:
+        s = ModelSpec.from_dict(spec)
+    except (ValueError, TypeError):
+        return "invalid spec"
+    if s == ModelSpec.deepseek_v3():
+        return "deepseek-v3"
+    if s == ModelSpec.tiny(num_heads=s.num_heads):
+        return f"tiny ({s.num_heads} heads)"
+    return f"custom (rank {s.kv_lora_rank}, rope {s.qk_rope_head_dim}, {s.num_heads} heads)"
+
+
+def config_line(cfg: dict) -> str:
+    """One line describing a ``ScenarioConfig`` dict."""
+    parts = [f"spec {spec_label(cfg.get('spec', {}))}", f"kv {cfg.get('kv_dtype')}", f"q {cfg.get('q_dtype')}",
+             f"page {cfg.get('page_size')}", f"next_n {cfg.get('next_n')}",
+             f"capture sizes {cfg.get('capture_sizes')}", f"max pages/seq {cfg.get('max_pages_per_seq')}"]
+    if cfg.get("layer"):
+        parts.append("layer" + (" + fp8 out" if cfg.get("fp8_out") else ""))
+    parts.append(f"seed {cfg.get('seed')}")
+    return ", ".join(parts)
+
+
+def step_line(i: int, step: dict) -> str:
+    """``  2  replay   size 4  B=3  seq_lens [0, 17, 64]  q_lens [0, 1, 1]  max_decode_len 1  poison  seed 7``
+
+    Capture steps also show ``warmups N`` (eager forwards before the capture) and ``one
+    build`` (warmups and capture share one metadata build, as vLLM does); unknown keys are
+    printed as ``key value`` so a newer repro still reads completely."""
+    b = step.get("batch") or {}
+    seq = b.get("seq_lens", [])
+    head = f"{i:>3}  {step.get('op', '?'):<8}"
+    parts = []
+    if step.get("size") is not None:
+        parts.append(f"size {step['size']}")
+    parts.append(f"B={len(seq)}")
+    parts.append(f"seq_lens {seq}")
+    parts.append(f"q_lens {b.get('q_lens')}")
+    if b.get("max_decode_len") is not None:
+        parts.append(f"max_decode_len {b['max_decode_len']}")
+    if step.get("op") == "eager" and step.get("pad_to") is not None:
+        parts.append(f"pad_to {step['pad_to']}")
+    if step.get("poison"):
+        parts.append("poison")
+    if step.get("warmups"):
+        parts.append(f"warmups {step['warmups']}")
+    if step.get("share"):
+        parts.append("one build")
+    known = {"op", "batch", "size", "pad_to", "poison", "warmups", "share"}
+    parts += [f"{k} {v}" for k, v in step.items() if k not in known]
+    parts.append(f"seed {b.get('seed')}")
+    return head + "  ".join(parts)
+
+
+def scenario_lines(cfg: dict, steps: list[dict], failing: int | None = None, oracle: str | None = None) -> list[str]:
+    """The config line, then one line per step; the failing step is marked ``>``."""
+    out = ["config: " + config_line(cfg)]
+    for i, s in enumerate(steps):
+        line = step_line(i, s)
+        if i == failing:
+            line = ">" + line[1:] + f"   <- fails{': ' + oracle if oracle else ''}"
+        out.append(line)
+    return out
+
+
+def coverage_parts(cov: dict) -> list[tuple[str, str]]:
+    """``[(label, "1:40 2:31 3:12"), ...]`` in ``COVERAGE_ORDER``, then any other keys."""
+    keys = [k for k in COVERAGE_ORDER if k in cov] + sorted(k for k in cov if k not in COVERAGE_ORDER)
+    out = []
+    for k in keys:
+        vals = cov[k]
+        items = sorted(vals.items(), key=lambda kv: (_num(kv[0]), kv[0]))
+        out.append((COVERAGE_LABEL.get(k, k), " ".join(f"{v}:{n}" for v, n in items)))
+    return out
+
+
+def _num(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        return float("inf")
+
+
+def table(headers: list[str], rows: list[list], indent: str = "  ") -> list[str]:
+    """Left-aligned columns separated by two spaces."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append(indent + "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+        if j == 0:
+            lines.append(indent + "  ".join("-" * w for w in widths))
+    return lines
+
+
+def finding_rows(result) -> list[list]:
+    rows = []
+    for f in result.findings.values():
+        steps = len(f.repro["steps"])
+        rows.append([f.cls, f.oracle, f.count, steps if f.reduced_from is None else f"{steps} (from {f.reduced_from})",
+                     f"{f.found_at_s:.1f}s", f.path])
+    return rows
+
+
+def summary_lines(result) -> list[str]:
+    """End-of-campaign summary (``harness.campaign.CampaignResult``)."""
+    o = result.options
+    budget = "no time limit" if o.budget_s is None else f"budget {o.budget_s:g}s"
+    lim = "" if o.examples is None else f", example limit {o.examples}"
+    lines = [f"mla-fuzz run: backend {o.backend}, graph {o.graph}, spec {o.spec}, seed {o.seed}, "
+             f"{result.workers} worker(s), {budget}{lim}" + (" -- INTERRUPTED" if result.interrupted else ""),
+             f"  {result.elapsed:.1f}s, {result.examples} cases ({result.rate:.2f}/s), {result.steps} steps, "
+             f"{result.chunks} chunks, {result.restarts} worker restart(s)"]
+    cov = coverage_parts(result.coverage)
+    if cov:
+        lines.append("  coverage:")
+        lines += [f"    {label:<8} {vals}" for label, vals in cov]
+    if result.findings:
+        n = sum(f.count for f in result.findings.values())
+        lines.append(f"failures: {len(result.findings)} distinct ({n} in all); repros in {o.corpus}")
+        lines += table(["class", "oracle", "count", "steps", "found", "repro"], finding_rows(result))
+    else:
+        lines.append("no failures found")
+    for w in result.warnings:
+        lines.append("warning: " + w)
+    for e in result.errors:
+        lines.append("error: " + e)
+    return lines
+
+
+def matrix_rows(rows: list[dict]) -> list[list]:
+    out = []
+    for r in rows:
+        match = r.get("matches")
+        out.append([r["name"], "yes" if r["caught"] else "no",
+                    r.get("examples_to_detect") if r["caught"] else r.get("examples"),
+                    f"{r['seconds']:.1f}" if r.get("seconds") is not None else "",
+                    r.get("diagnosis") or "-",
+                    "-" if match is None else ("yes" if match else "NO"),
+                    ", ".join(sorted(r.get("expected") or [])) or "-"])
+    return out
+
+
+MATRIX_HEADERS = ["backend", "caught", "examples", "seconds", "diagnosis", "expected?", "expected classes"]

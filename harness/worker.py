@@ -1,0 +1,189 @@
+"""The worker process of a campaign: runs fuzz chunks and step lists for its parent.
+
+Started by ``harness.pool`` as ``python -m harness.worker --fd N`` with its environment
+(``CUDA_VISIBLE_DEVICES``, ``TRITON_INTERPRET``, thread counts) already set, so the
+choice of GPU is made before torch or CUDA is imported here.
+
+Protocol: tasks arrive as JSON lines on stdin; messages go as JSON lines to file
+descriptor ``N`` -- not stdout, which a backend may print to (stdout and stderr are the
+worker's log). Before every step the worker sends the scenario so far (``step``), and
+before a diagnosis the failure being diagnosed (``phase``): if the step then kills the
+process (abort, segfault, illegal memory access, OOM kill) or never returns, the parent
+already knows exactly what was running and turns it into a repro.
+
+Tasks:
+- ``{"op": "fuzz", "id", "backend", "graph", "spec", "examples", "seed", "budget_s", "shrink"}``
+  -> ``done`` with ``report`` (a ``FuzzReport`` as a dict);
+- ``{"op": "replay", "id", "backend", "graph", "config", "steps", "diagnose"}``
+  -> ``done`` with ``result`` (failure and diagnosis, or none);
+- ``{"op": "exit"}``.
+Any exception becomes ``error`` with ``kind`` ``input`` (ValueError: a bad backend
+reference, spec or repro) or ``internal``.
+
+Signals: SIGUSR1 asks the running fuzz chunk to stop at its next step (Ctrl-C in the
+parent); SIGUSR2 dumps every thread's Python stack to the log (the parent sends it to a
+worker it is about to kill for a hang, so the hang repro says where it was stuck).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+_FD = -1
+_STOP = False
+_PARENT = os.getppid()
+
+
+def send(msg: dict) -> None:
+    """Write one JSON line to the parent. A write may be split by a signal handler, hence
+    the loop; a closed pipe means the parent is gone, so the worker leaves at once."""
+    data = (json.dumps(msg, separators=(",", ":"), default=str) + "\n").encode()
+    try:
+        while data:
+            n = os.write(_FD, data)
+            data = data[n:]
+    except (BrokenPipeError, OSError):
+        os._exit(0)
+
+
+def _on_stop(signum, frame) -> None:
+    global _STOP
+    _STOP = True
+
+
+def _check_parent() -> None:
+    # An orphaned worker (parent killed with -9) must not keep a GPU busy.
+    if os.getppid() != _PARENT:
+        os._exit(0)
+
+
+def _fuzz_task(task: dict) -> dict:
+    """Run one ``harness.fuzz.fuzz`` chunk with the in-flight hooks installed."""
+    from harness import fuzz as fuzz_mod
+
+    tid = task["id"]
+    budget_s = task.get("budget_s")
+
+    def on_step(cfg, steps) -> None:
+        # steps == [] announces a new scenario (its backend is about to be built)
+        _check_parent()
+        send({"t": "step", "task": tid, "cfg": cfg.to_dict(), "steps": steps, "time": time.time()})
+
+    def on_phase(phase, info) -> None:
+        # Diagnosis re-runs the scenario without the step hook; tell the parent which
+        # failure it is working on, so a crash or hang in a re-run still yields a repro.
+        f = info["failure"]
+        send({"t": "phase", "task": tid, "phase": phase, "cfg": info["cfg"].to_dict(), "steps": info["steps"],
+              "failure": {"oracle": f.oracle, "step": f.step, "message": f.message}, "time": time.time()})
+
+    report = fuzz_mod.fuzz(task["backend"], spec=task.get("spec", "tiny"), graph_mode=task.get("graph", "auto"),
+                           examples=int(task["examples"]), seed=int(task["seed"]), budget_s=budget_s,
+                           shrink=bool(task.get("shrink", True)), on_step=on_step, on_phase=on_phase,
+                           should_stop=lambda: _STOP, shrink_seconds=task.get("shrink_seconds"))
+    return {"report": {
+        "backend": report.backend, "graph_mode": report.graph_mode, "seed": report.seed,
+        "examples": report.examples, "steps": report.steps, "seconds": report.seconds,
+        "shrink_runs": report.shrink_runs,
+        "examples_to_detect": report.examples_to_detect, "seconds_to_detect": report.seconds_to_detect,
+        "repro": report.repro, "coverage": report.coverage, "stopped": _STOP}}
+
+
+def _replay_task(task: dict) -> dict:
+    """Run a step list in order (crash reduction, isolated replay), one ``step`` message
+    before each step, then diagnose a failure if asked."""
+    from harness.diagnosis import diagnose
+    from harness.executor import ScenarioRunner
+    from harness.loading import load_backend
+    from harness.oracles import OracleFailure
+    from harness.scenario import ScenarioConfig, validate_step
+
+    tid = task["id"]
+    backend_cls = load_backend(task["backend"])
+    cfg = ScenarioConfig.from_dict(task["config"])
+    steps = task["steps"]
+    for s in steps:
+        validate_step(s, cfg)
+    runner = ScenarioRunner(backend_cls, cfg, task.get("graph", "auto"))
+    mode = runner.mode
+    failure = None
+    try:
+        for i, step in enumerate(steps):
+            _check_parent()
+            send({"t": "step", "task": tid, "cfg": task["config"], "steps": steps[: i + 1], "time": time.time()})
+            runner.apply(step)
+    except OracleFailure as f:
+        failure = f
+    finally:
+        runner.close()
+    result = {"graph_mode": mode, "failure": None, "diagnosis": None}
+    if failure is not None:
+        result["failure"] = {"oracle": failure.oracle, "step": failure.step, "message": failure.message}
+        if task.get("diagnose"):
+            send({"t": "phase", "task": tid, "phase": "diagnose", "cfg": task["config"], "steps": steps,
+                  "failure": result["failure"], "time": time.time()})
+            result["diagnosis"] = diagnose(backend_cls, cfg, steps, failure, mode).to_dict()
+    return {"result": result}
+
+
+def _versions() -> dict:
+    try:
+        from harness.repro import versions
+        return versions()
+    except Exception as exc:  # the repro module may not import in a broken install
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(argv=None) -> int:
+    global _FD, _STOP
+    ap = argparse.ArgumentParser(prog="python -m harness.worker")
+    ap.add_argument("--fd", type=int, required=True, help="file descriptor for messages to the parent")
+    args = ap.parse_args(argv)
+    _FD = args.fd
+    # Fatal signals (abort, segfault) dump the Python stack into the log the parent reads.
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    signal.signal(signal.SIGUSR1, _on_stop)
+    # The terminal's Ctrl-C goes to the parent's process group only; ignore a stray one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import importlib
+
+        import torch  # (import cost is paid before 'ready', not inside a task)
+        importlib.import_module("harness.fuzz")
+        threads = os.environ.get("MLA_FUZZ_TORCH_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+    except BaseException as exc:
+        send({"t": "fatal", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        return 3
+    send({"t": "ready", "pid": os.getpid(), "versions": _versions(),
+          "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        task = json.loads(line)
+        if task.get("op") == "exit":
+            break
+        _STOP = False
+        t0 = time.time()
+        try:
+            body = {"fuzz": _fuzz_task, "replay": _replay_task}[task["op"]](task)
+            send({"t": "done", "task": task["id"], "wall": time.time() - t0, **body})
+        except Exception as exc:
+            kind = "input" if isinstance(exc, ValueError) else "internal"
+            send({"t": "error", "task": task.get("id"), "kind": kind, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exc()})
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Small decode backends for the CLI tests, loaded by worker processes through
+``--backend cli_fakes:Name`` (the tests put this directory on PYTHONPATH).
+
+``RefBackend`` wraps the reference op: exact under ``--graph eager``; under ``emulated`` its
+host-side reads (``.tolist()`` while validating) are caught during capture as a
+``host-sync`` failure -- a real, fast, deterministic finding. The others misbehave on
+purpose, only on some inputs, so the fuzzer has to find them:
+
+- ``AbortBackend``: ``os.abort()`` when a real row has ``seq_len`` 0 (kills the worker);
+- ``AbortLongBackend``: ``os.abort()`` when a real row has ``seq_len >= 20`` (never in
+  Hypothesis' first, minimal scenario, so the crash comes mid-scenario);
+- ``HangBackend``: sleeps for an hour on the same inputs (a hang);
+- ``SlowBackend``: clean but every forward sleeps, for interrupting a running campaign.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import mla_ref
+
+
+class RefBackend:
+    name = "ref"
+
+    def __init__(self, spec, *, device, max_batch, capture_sizes, graph_safe, **extra):
+        self.spec = spec
+        self.device = torch.device(device)
+
+    def build(self, batch):
+        """Metadata padded to ``batch.padded_size``: padded rows have seq_len 0, q_len 0 and
+        point at the null block."""
+        B, pad = batch.batch_size, batch.padded_size
+        bt = torch.full((pad, batch.block_table.shape[1]), batch.null_block, dtype=torch.int32)
+        bt[:B] = batch.block_table
+        sl = torch.zeros(pad, dtype=torch.int32)
+        sl[:B] = batch.seq_lens
+        ql = torch.zeros(pad, dtype=torch.int32)
+        ql[:B] = batch.q_lens
+        return {"block_table": bt.to(self.device), "seq_lens": sl.to(self.device), "q_lens": ql.to(self.device),
+                "real": B}
+
+    def forward(self, q, kv_cache, metadata, out=None):
+        """q ``[pad, s_q, h, d_qk]`` -> out ``[pad, s_q, h, rank]`` (q dtype), lse ``[pad, h, s_q]`` fp32."""
+        self.check(metadata)
+        o, lse = mla_ref.mla_decode(q, kv_cache, metadata["block_table"], metadata["seq_lens"], spec=self.spec,
+                                    q_lens=metadata["q_lens"])
+        return o.to(q.dtype), lse.float()
+
+    def check(self, metadata) -> None:
+        pass
+
+    @staticmethod
+    def empty_real_row(metadata) -> bool:
+        return 0 in metadata["seq_lens"][: metadata["real"]].tolist()
+
+
+class AbortBackend(RefBackend):
+    name = "abort"
+
+    def check(self, metadata) -> None:
+        if self.empty_real_row(metadata):
+            os.abort()
+
+
+class AbortLongBackend(RefBackend):
+    name = "abort-long"
+
+    def check(self, metadata) -> None:
+        if max(metadata["seq_lens"][: metadata["real"]].tolist(), default=0) >= 20:
+            os.abort()
+
+
+class HangBackend(RefBackend):
+    name = "hang"
+
+    def check(self, metadata) -> None:
+        if self.empty_real_row(metadata):
+            time.sleep(3600)
+
+
+class SlowBackend(RefBackend):
+    name = "slow"
+
+    def check(self, metadata) -> None:
+        time.sleep(0.05)
