@@ -27,7 +27,7 @@ from .crash_repro import StepReducer, crash_repro
 from .pool import Pool, exit_text
 from .repro import signature, write_repro
 
-DEFAULT_CHUNK = 25
+DEFAULT_CHUNK = 100
 # Reductions of a crash found near the end may finish this long after the budget.
 REDUCE_GRACE_S = 30.0
 # After the budget, running chunks get this long to end on their own before being stopped.

@@ -98,7 +98,7 @@ def _build_parser() -> _Parser:
     lim.add_argument("--seed", default=None, metavar="S", help="campaign seed (default: random, printed)")
     lim.add_argument("--workers", default="1", metavar="N|auto",
                      help="worker processes: N, or auto = one per GPU (cuda) / per CPU core (emulated)")
-    lim.add_argument("--chunk", default=None, metavar="N", help="examples per fuzz() call (default 25)")
+    lim.add_argument("--chunk", default=None, metavar="N", help="examples per fuzz() call (default 100)")
     out = run.add_argument_group("output")
     out.add_argument("--corpus", default=".mla-fuzz/corpus", metavar="DIR",
                      help="where repro files go (default .mla-fuzz/corpus)")
