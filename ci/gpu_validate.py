@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for the clean runs")
     ap.add_argument("--skip-matrix", action="store_true")
+    ap.add_argument("--mutants", default=None, help="comma-separated subset of harness.mutants.ALL")
     a = ap.parse_args()
     import torch
     if not torch.cuda.is_available():
@@ -66,7 +67,8 @@ def main() -> int:
     t0 = time.time()
     with ctx.Pool(a.procs) as pool:
         from harness.mutants import ALL
-        mjobs = [] if a.skip_matrix else [pool.apply_async(_mutant_worker, ((n, a.matrix_spec, 0),)) for n in ALL]
+        names = a.mutants.split(",") if a.mutants else list(ALL)
+        mjobs = [] if a.skip_matrix else [pool.apply_async(_mutant_worker, ((n, a.matrix_spec, 0),)) for n in names]
         per = -(-a.clean_examples // a.procs)
         cjobs = [pool.apply_async(_clean_worker, (("tiny", per, 1000 + i, a.budget),)) for i in range(a.procs)]
         big = [pool.apply_async(_clean_worker, (("deepseek-v3", a.clean_big, 77, a.budget),))] if a.clean_big else []
