@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .atomic import write_text_atomic
+
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 SPECS = ("tiny", "deepseek-v3")
 GRAPHS = ("auto", "cuda", "emulated", "eager")
@@ -191,21 +193,7 @@ def _check_backend(ref: str) -> None:
 
 def write_json(path: str | os.PathLike, obj) -> Path:
     """Atomic JSON write (temp file + rename): a reader never sees half a report."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=2, default=str)
-            fh.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return p
+    return write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def _print_lines(lines, stream=None) -> None:

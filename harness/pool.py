@@ -69,13 +69,6 @@ class Worker:
         self.started = 0.0
         self.versions: dict = {}
 
-    def kill_busy(self, which) -> None:
-        """SIGKILL the workers whose current task satisfies ``which(task)``; each ends as a
-        ``died`` event and is restarted like any other dead worker."""
-        for w in self.workers:
-            if w.busy and which(w.task):
-                self._kill(w)
-
     @property
     def busy(self) -> bool:
         return self.task is not None

@@ -11,10 +11,10 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import write_text_atomic
 from .diagnosis import Diagnosis, diagnose
 from .executor import run_steps
 from .loading import load_backend
@@ -77,20 +77,7 @@ def write_repro(repro: dict, directory: str | os.PathLike) -> Path:
                                      sort_keys=True).encode()).hexdigest()[:10]
     cls = (repro.get("diagnosis") or {}).get("cls", "failure")
     path = directory / f"{cls}-{digest}.json"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(body + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_text_atomic(path, body + "\n")
 
 
 def load_repro(path: str | os.PathLike) -> dict:
