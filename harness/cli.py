@@ -14,7 +14,6 @@ import os
 import re
 import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 

@@ -11,7 +11,6 @@ Import this module (or list it in ``MLA_FUZZ_FIDELITY_MODULES``) to register the
 """
 from __future__ import annotations
 
-import torch
 
 from kernels import MLADecodeLayer, TritonMLABackend
 from mla_ref import ModelSpec

@@ -1,7 +1,6 @@
 """Mutants whose bug is state the captured graph froze: addresses, plans, host reads."""
 from __future__ import annotations
 
-import torch
 
 from kernels import TritonMLABackend, plan_reference
 from kernels.sched import SchedState
