@@ -13,6 +13,12 @@ time over the roofline bound ``max(bytes / copy_bw, flops / matmul_rate)``.
 
 ``--sweep`` first times a few launch configs on representative cases and uses the best per
 (row class, kv dtype) for the grid. Writes JSON (``--out``) and prints a table.
+
+``--sparse`` runs the sparse top-k case set instead (DeepSeek-V3.2 decode: h=128, s_q=2,
+topk=2048, bf16 and FP8, B in {1, 8, 32, 128}, context 8k/32k): each query token attends to
+its own 2048 selected slots, handed to the backend ragged (flat + indptr) and copied into
+its persistent buffers by ``build``; bytes = every row's selected tokens (+ q, out, indices),
+FLOPs ``2 * B * s_q * h * topk * (576 + 512)``.
 """
 from __future__ import annotations
 
@@ -112,6 +118,41 @@ def run_case(spec, pool, h, s_q, B, L, kv, config, gen):
     return t_ms, io_bytes, flops
 
 
+def run_sparse_case(spec, pool, h, s_q, B, L, kv, topk, gen):
+    """One sparse case: random distinct positions per (request, token) among L cached keys."""
+    spec_h = ModelSpec(num_heads=h)
+    cache = pool.get(kv)
+    pages = L // PAGE
+    perm = torch.randperm(pool.num_blocks - 1, generator=gen)[:B * pages] + 1
+    block_table = perm.view(B, pages).to(torch.int32)
+    flat = []
+    for b in range(B):
+        for _ in range(s_q):
+            pos = torch.randperm(L, generator=gen)[:topk]
+            flat.append(block_table[b, pos // PAGE].to(torch.int64) * PAGE + pos % PAGE)
+    flat = torch.cat(flat).to(torch.int32)
+    indptr = torch.arange(B * s_q + 1, dtype=torch.int32) * topk
+    batch = DecodeBatch(seq_lens=torch.full((B,), L, dtype=torch.int32), q_lens=torch.full((B,), s_q, dtype=torch.int32),
+                        block_table=block_table, slot_mapping=torch.full((B, s_q), -1, dtype=torch.int64),
+                        page_size=PAGE, next_n=s_q, pad_to=B, kv_dtype=kv, topk_flat=flat, topk_indptr=indptr, topk=topk)
+    be = TritonMLABackend(spec_h, device="cuda", max_batch=B, capture_sizes=[B], next_n_max=s_q,
+                          max_blocks_per_seq=pages, page_size=PAGE, topk_max=topk)
+    md = be.build(batch)
+    q = torch.randn(B, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(B, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+    be.forward(q, cache, md, out=out)  # compile + warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.forward(q, cache, md, out=out)
+    t_ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
+    kv_bytes = B * s_q * topk * BYTES_PER_TOKEN[kv]
+    io_bytes = kv_bytes + q.numel() * 2 + out.numel() * 2 + flat.numel() * 4
+    flops = 2.0 * B * s_q * h * topk * (spec.d_qk + spec.kv_lora_rank)
+    return t_ms, io_bytes, flops, md.config
+
+
 def candidate_configs(rows: int, sms: int, kv: str):
     """A few launch configs per row class (s_q * heads) and kv dtype, one program per SM (a
     second wave lost in every case of the first sweep). Tuples: block_m, block_n, warps,
@@ -155,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lens", default="1024,4096,16384")
     ap.add_argument("--kv", default="bf16,fp8")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new cases after this many seconds")
+    ap.add_argument("--sparse", action="store_true", help="run the sparse top-k case set (see module doc) instead")
+    ap.add_argument("--topk", type=int, default=2048, help="top-k of the sparse case set")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel_bench: needs a CUDA GPU", file=sys.stderr)
@@ -167,6 +210,8 @@ def main(argv=None) -> int:
     copy_tbps = measure_copy_tbps()
     mm_tflops = measure_matmul_tflops()
     print(f"# {props.name}: copy {copy_tbps:.2f} TB/s (read+write), bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    if args.sparse:
+        return sparse_main(args, t_start, gen, props, copy_tbps, mm_tflops)
     heads = [int(x) for x in args.heads.split(",")]
     sqs = [int(x) for x in args.sq.split(",")]
     batches = [int(x) for x in args.batch.split(",")]
@@ -256,6 +301,50 @@ def main(argv=None) -> int:
         "chosen": {f"{k[0]}/h{k[1]}/sq{k[2]}": cfg_dict(v) for k, v in chosen.items()},
         "wall_s": time.time() - t_start,
     }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+def sparse_main(args, t_start, gen, props, copy_tbps, mm_tflops) -> int:
+    """The ``--sparse`` case set: h=128, s_q=2, topk=args.topk, bf16 and FP8."""
+    spec = ModelSpec()
+    h, s_q, topk = 128, 2, args.topk
+    batches, lens = [1, 8, 32, 128], [8192, 32768]
+    pool = CachePool(spec, max(batches) * max(lens))
+    results = []
+    for kv in ("bf16", "fp8"):
+        for B in batches:
+            for L in lens:
+                if time.time() - t_start > args.budget_s:
+                    print("# budget reached; remaining cases skipped", flush=True)
+                    break
+                try:
+                    t_ms, io, fl, cfg = run_sparse_case(spec, pool, h, s_q, B, L, kv, topk, gen)
+                except Exception as e:
+                    print(f"sparse {kv} B={B} L={L}: {type(e).__name__}: {e}"[:300], flush=True)
+                    continue
+                roof = max(io / (copy_tbps * 1e12), fl / (mm_tflops * 1e12)) * 1e3
+                r = dict(kv=kv, h=h, s_q=s_q, B=B, L=L, topk=topk, config=cfg_dict(cfg), time_us=t_ms * 1e3,
+                         TBps=io / (t_ms * 1e-3) / 1e12, TFLOPs=fl / (t_ms * 1e-3) / 1e12, roofline_us=roof * 1e3)
+                r["bw_ratio"] = r["TBps"] / copy_tbps
+                r["flop_ratio"] = r["TFLOPs"] / mm_tflops
+                r["x_roofline"] = r["time_us"] / r["roofline_us"]
+                results.append(r)
+                print(f"sparse {kv:4s} h={h} s_q={s_q} topk={topk} B={B:3d} L={L:5d} {r['time_us']:9.1f} us "
+                      f"{r['TBps']:5.2f} TB/s ({r['bw_ratio']:.0%}) {r['TFLOPs']:6.1f} TF/s ({r['flop_ratio']:.0%}) "
+                      f"x{r['x_roofline']:.2f} roof", flush=True)
+    summary = {"sparse_cases": len(results),
+               "sparse_worst_x_roofline": max((r["x_roofline"] for r in results), default=None),
+               "sparse_median_x_roofline": sorted(r["x_roofline"] for r in results)[len(results) // 2] if results else None}
+    print("# summary " + json.dumps(summary), flush=True)
+    doc = {"gpu": props.name, "sms": props.multi_processor_count, "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "copy_TBps_read_plus_write": copy_tbps, "matmul_bf16_TFLOPs": mm_tflops,
+           "timing": "CUDA-graph replay of TritonMLABackend.forward (sparse top-k), do_bench median (L2 flushed)",
+           "summary": summary, "results": results, "wall_s": time.time() - t_start}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

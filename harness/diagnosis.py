@@ -8,9 +8,10 @@ with one thing changed:
 
 1. poisoning off: if the failure disappears, NaN placed only in padding reached real
    rows -> padding-leak (also when only seq_len-0 rows are wrong: padding-shaped rows);
-1b. (wrong eager output: reference or finite oracle) the failing step alone, eagerly, on a fresh backend:
-   if it passes, the output depends on what earlier builds left in persistent buffers
-   (e.g. an nnz-sized copy leaving the previous step's tail, vLLM #42604) -> stale-address;
+1b. (reference or finite oracle) the failing step as an eager step: if it fails after the
+   scenario's earlier steps (so no graph is needed) but passes alone on a fresh backend, the
+   output depends on what earlier builds left in persistent buffers (e.g. an nnz-sized copy
+   leaving the previous step's tail, vLLM #42604) -> stale-address;
 2. the capture's kernel list vs a fresh backend's eager forward of the same batch: a
    kernel (the planner) missing from the graph -> laziness (state planned before
    capture, vLLM #42444);
@@ -75,16 +76,19 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                              "block, unused pages) is filled with NaN; with the same steps unpoisoned it passes: "
                              "values that belong to padding reach real rows. " + failure.message, o)
 
-    # 1b. state left by earlier builds: same step, fresh backend, no history
+    # 1b. state left by earlier builds: the step's *eager* output is wrong after this history
+    # (for a replay: re-run it as an eager step, so the graph is out of the picture) but
+    # right on a fresh backend with no history
     if o in ("reference", "finite") and k > 0:
-        alone = [{"op": "eager", "batch": failing["batch"], "pad_to": failing.get("size") or failing.get("pad_to"),
-                  "poison": bool(failing.get("poison"))}]
-        if rerun(alone) is None:
-            return Diagnosis("stale-address", f"step {k}'s output is wrong ({o} oracle), but the same "
-                             "batch run alone on a fresh backend passes: the kernels read data an earlier step "
-                             "left in a persistent buffer that this step's build did not rewrite (a stale tail "
-                             "of an nnz-sized copy, vLLM #42604) — stale contents at a stable address. "
-                             + failure.message, o)
+        as_eager = {"op": "eager", "batch": failing["batch"], "pad_to": failing.get("size") or failing.get("pad_to"),
+                    "poison": bool(failing.get("poison"))}
+        eager_wrong = failing["op"] == "eager" or rerun(upto[:k] + [as_eager]) is not None
+        if eager_wrong and rerun([as_eager]) is None:
+            return Diagnosis("stale-address", f"step {k}'s eager output is wrong ({o} oracle) after the earlier "
+                             "steps, but the same batch run alone on a fresh backend passes: the kernels read data "
+                             "an earlier step left in a persistent buffer that this step's build did not rewrite "
+                             "(a stale tail of an nnz-sized copy, vLLM #42604) — stale contents at a stable "
+                             "address. " + failure.message, o)
 
     # 2/3 concern a replay of a captured graph
     cap_idx = _capture_for(upto, failing)

@@ -79,7 +79,7 @@ class ScenarioRunner:
                             capture_sizes=cfg.capture_sizes, graph_safe=self.mode != "eager",
                             page_size=cfg.page_size, max_blocks_per_seq=cfg.max_pages_per_seq,
                             next_n_max=cfg.next_n, num_blocks=self.world.num_blocks,
-                            **({"topk_max": cfg.topk} if cfg.sparse else {}))
+                            **({"topk_max": cfg.topk, "indexer": self.world.indexer} if cfg.sparse else {}))
 
     def close(self) -> None:
         for cap in self.captures.values():
@@ -125,7 +125,12 @@ class ScenarioRunner:
                 self.world.weights, hidden[:B], positions[:B], cache, bt, sl, batch.slot_mapping.to(dev),
                 spec=self.spec, q_lens=ql, fp8_out=self.cfg.fp8_out),)
         # sparse steps: attention over exactly the selected slots (dense steps unchanged)
-        indices = batch.dense_topk().to(dev) if batch.is_sparse else None
+        indices = None
+        if batch.topk_on_device:
+            indices = mla_ref.indexer_topk(self.world.indexer, q[:B], cache_before, bt, sl, ql, batch.topk,
+                                           spec=self.spec).to(dev)
+        elif batch.is_sparse:
+            indices = batch.dense_topk().to(dev)
         return mla_ref.mla_decode(q[:B], cache_before, bt, sl, spec=self.spec, q_lens=ql, indices=indices)
 
     def _check_reference(self, outs, ref, batch: DecodeBatch, what: str) -> None:

@@ -37,6 +37,9 @@ class ScenarioConfig:
     # sparse top-k decode: each step carries a ragged selection of <= topk slots per token
     sparse: bool = False
     topk: int = 0
+    # sparse only: the backend selects the top-k on the device (its indexer) instead of the
+    # engine handing over a ragged selection
+    indexer: bool = False
 
     @property
     def max_batch(self) -> int:
@@ -62,6 +65,8 @@ class ScenarioConfig:
             raise ValueError("config.fp8_out needs config.layer (it quantises the layer's attention output)")
         if self.sparse and (not isinstance(self.topk, int) or self.topk < 1):
             raise ValueError(f"config.topk must be a positive int when config.sparse, got {self.topk!r}")
+        if self.indexer and not self.sparse:
+            raise ValueError("config.indexer needs config.sparse")
         if self.sparse and self.layer:
             raise ValueError("config.sparse scenarios drive the attention op only (config.layer must be False)")
 

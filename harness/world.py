@@ -41,6 +41,8 @@ class World:
         self.kv_cache.copy_(self.clean)
         self.weights = (mla_ref.MLALayerWeights.random(self.spec, cfg.seed, dtype=self.q_dtype, device=self.device)
                         if cfg.layer else None)
+        self.indexer = (mla_ref.IndexerWeights.random(self.spec, cfg.seed, device=self.device)
+                        if cfg.sparse and cfg.indexer else None)
 
     # -- cache ---------------------------------------------------------------------------
     def _random_cache(self, seed: int) -> torch.Tensor:
@@ -89,7 +91,9 @@ class World:
                 pos = seq_lens[b] - q_lens[b] + i
                 slots[b, i] = pages[pos // ps] * ps + pos % ps
         sparse = {}
-        if cfg.sparse:
+        if cfg.sparse and cfg.indexer:
+            sparse = dict(topk=cfg.topk)  # the backend's indexer selects on the device
+        elif cfg.sparse:
             flat, indptr = self.topk_selection(draw, seq_lens, q_lens, table)
             sparse = dict(topk_flat=flat, topk_indptr=indptr, topk=cfg.topk)
         return DecodeBatch(

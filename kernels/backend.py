@@ -39,6 +39,29 @@ Small overridable methods, so a bug class is a one-method subclass (``harness/mu
   writes host-computed constants) or ``_plan``;
 - ``.item()`` during capture: ``_plan`` or ``_decode``;
 - NaN on zero-length rows: ``_combine`` (an unguarded 0/0 merge).
+
+Sparse top-k decode (DeepSeek-V3.2 style, vLLM #42604's ragged selection): a batch may
+carry its per-token top-k selection ragged (``topk_flat [nnz]`` + ``topk_indptr``, see
+``DecodeBatch``). ``build`` converts it into the kernel's fixed-stride layout in the
+persistent ``topk_indices`` buffer (``[pad*next_n, topk_max]``, capacity
+``max_batch * next_n_max * topk_max``) plus per-request ``topk_length [pad]`` (FlashMLA's
+contract: a fixed top-k per token, ``-1`` = invalid; ``topk`` for a request with real tokens,
+0 otherwise). The sparse kernel reads, for every real token, the first ``topk_length[b]``
+entries of its row and masks ``-1``: so **the builder writes
+-1 past every row's entries, over the whole region any row can read**, on every build —
+no entry a kernel reads ever depends on an earlier step's contents (no stale tail), and no
+host sync is needed in ``forward`` (the row lengths are derived on the device from
+``topk_length`` and the flat context-lens buffer). Hooks, one method per bug:
+
+- ragged buffers allocated fresh each build (stale address): ``_stage_topk``;
+- an nnz-sized copy leaving the previous step's tail: ``_stage_topk``;
+- ``.item()`` on nnz in the forward (host sync during capture): ``_sparse_rows``;
+- on-device selection (``batch.topk`` alone): ``_run_indexer`` fills ``topk_indices`` in the
+  forward with the top-k indexer (``kernels.indexer``), reading per-token context lengths
+  chosen at build time by ``_indexer_context_lens`` (the flat buffer's contiguous view;
+  a 2-D ``[:B, :max_decode_len]`` slice is vLLM #42135);
+- sparse plan / decode / combine: ``_make_sparse_sched``, ``_plan_sparse``, ``_decode_sparse``,
+  ``_combine_sparse`` (separate from the dense hooks, so a dense-path mutant stays one bug).
 """
 from __future__ import annotations
 
@@ -51,7 +74,8 @@ from mla_ref import DecodeBatch, ModelSpec
 
 from . import ops
 from .config import DecodeConfig, check_spec_supported, default_config
-from .decode import alloc_partials
+from .decode import alloc_partials, alloc_sparse_partials, token_context
+from .indexer import indexer_topk
 from .sched import SchedState
 
 __all__ = ["TritonMLABackend", "TritonMLAMetadata", "host_context_lens"]
@@ -71,7 +95,12 @@ class TritonMLAMetadata:
       holds ``max_decode_len`` for the kernel (so a replay follows the current width)
     - ``slot_mapping`` int64 ``[pad, next_n]`` (-1 = do not write)
     - ``part_info`` int32 ``[num_parts + 1, 3]``, ``num_splits`` / ``split_offsets`` int32
-      ``[pad]``: the plan, written by the planner inside ``forward``
+      ``[pad]`` (``[pad*next_n]`` rows for sparse): the plan, written by the planner inside ``forward``
+    - sparse only (else None): ``topk_indices`` int32 ``[pad*next_n, topk_max]`` (row r =
+      token ``r % next_n`` of request ``r // next_n``; ``-1`` past the row's entries),
+      ``topk_length`` int32 ``[pad]``, ``topk_starts`` int32 ``[pad*next_n]`` (row offsets into
+      the flat index buffer, constant) and ``topk_rows`` int32 ``[pad*next_n]`` (entries each row
+      reads, written inside ``forward``)
     """
 
     seq_lens: torch.Tensor
@@ -90,6 +119,17 @@ class TritonMLAMetadata:
     page_size: int
     config: DecodeConfig
     sched: Optional[SchedState] = field(default=None, repr=False)
+    topk_indices: Optional[torch.Tensor] = None
+    topk_length: Optional[torch.Tensor] = None
+    topk_starts: Optional[torch.Tensor] = None
+    topk_rows: Optional[torch.Tensor] = None
+    topk: int = 0
+    topk_on_device: bool = False
+    indexer_ctx: Optional[torch.Tensor] = None
+
+    @property
+    def sparse(self) -> bool:
+        return self.topk_indices is not None
 
     def tensors(self) -> dict:
         """``{name: tensor}`` of the device tensor fields."""
@@ -127,7 +167,10 @@ class TritonMLABackend:
         next_n_max: largest MTP ``next_n``; sizes the flat context-lens and slot buffers.
         max_blocks_per_seq: block-table columns kept per request.
         page_size: if given, every batch must use it.
-        config: launch config for every batch (default: ``default_config`` per ``next_n`` and kv dtype).
+        config: launch config for every batch (default: ``default_config`` per ``next_n`` and kv dtype;
+            sparse batches: ``default_config(spec, 1, ...)``, one (request, token) row per unit).
+        topk_max: largest top-k of a sparse batch; sizes the persistent index buffer (0 = dense only).
+        indexer: ``mla_ref.IndexerWeights`` for batches whose top-k is selected on the device.
     """
 
     name = "triton"
@@ -135,7 +178,7 @@ class TritonMLABackend:
     def __init__(self, spec: ModelSpec, *, device: Union[str, torch.device] = "cuda", max_batch: int,
                  capture_sizes: Sequence[int] = (), graph_safe: bool = True, next_n_max: int = 4,
                  max_blocks_per_seq: int = 256, page_size: Optional[int] = None,
-                 config: Optional[DecodeConfig] = None) -> None:
+                 config: Optional[DecodeConfig] = None, topk_max: int = 0, indexer=None) -> None:
         check_spec_supported(spec)
         for nm, v in (("max_batch", max_batch), ("next_n_max", next_n_max), ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -145,6 +188,9 @@ class TritonMLABackend:
             raise ValueError(f"capture_sizes must lie in [1, max_batch={max_batch}], got {capture_sizes}")
         if page_size is not None and (not isinstance(page_size, int) or page_size < 1):
             raise ValueError(f"page_size must be a positive int or None, got {page_size!r}")
+        if not isinstance(topk_max, int) or isinstance(topk_max, bool) or topk_max < 0:
+            raise ValueError(f"topk_max must be an int >= 0, got {topk_max!r}")
+        self.topk_max = topk_max
         self.spec = spec
         self.device = torch.device(device)
         self.max_batch = max_batch
@@ -153,8 +199,11 @@ class TritonMLABackend:
         self.next_n_max = next_n_max
         self.max_blocks_per_seq = max_blocks_per_seq
         self.page_size = page_size
+        self.indexer = None if indexer is None else indexer.to(self.device)
         self._configs = {(n, kv): (config or default_config(spec, n, self.device, fp8=kv == "fp8"))
                          for n in range(1, next_n_max + 1) for kv in _KV_TORCH}
+        self._sparse_configs = {kv: (config or default_config(spec, 1, self.device, fp8=kv == "fp8", sparse=True))
+                                for kv in _KV_TORCH}
         self._buffers: dict = {}
         self._alloc_buffers()
 
@@ -163,8 +212,10 @@ class TritonMLABackend:
     def _alloc_buffers(self) -> None:
         """Allocate every persistent buffer once (graph-safe mode reads only these)."""
         dev, mb, nn = self.device, self.max_batch, self.next_n_max
-        max_parts = max(c.num_parts for c in self._configs.values())
+        max_parts = max(c.num_parts for c in list(self._configs.values()) + list(self._sparse_configs.values()))
         i32 = dict(dtype=torch.int32, device=dev)
+        # sparse plans have one row per (request, token): mb * nn rows
+        plan_rows = mb * nn if self.topk_max else mb
         self._buffers = {
             "seq_lens": torch.zeros(mb, **i32),
             "block_table": torch.zeros(mb * self.max_blocks_per_seq, **i32),
@@ -173,9 +224,18 @@ class TritonMLABackend:
             "ctx_width": torch.zeros(1, **i32),
             "slot_mapping": torch.full((mb * nn,), -1, dtype=torch.int64, device=dev),
             "part_info": torch.zeros((max_parts + 1) * 3, **i32),
-            "num_splits": torch.zeros(mb, **i32),
-            "split_offsets": torch.zeros(mb, **i32),
+            "num_splits": torch.zeros(plan_rows, **i32),
+            "split_offsets": torch.zeros(plan_rows, **i32),
         }
+        if self.topk_max:
+            rows = mb * nn
+            self._buffers.update({
+                "topk_indices": torch.full((rows * self.topk_max,), -1, **i32),
+                "topk_length": torch.zeros(mb, **i32),
+                "topk_rows": torch.zeros(rows, **i32),
+                # row r's entries start at r * topk_max: constant, written once
+                "topk_starts": torch.arange(rows, **i32) * self.topk_max,
+            })
 
     def _flat_view(self, name: str, shape: tuple) -> torch.Tensor:
         """A contiguous ``shape`` view at offset 0 of persistent buffer ``name``."""
@@ -228,8 +288,14 @@ class TritonMLABackend:
             raise ValueError(f"batch.next_n={batch.next_n} exceeds next_n_max={self.next_n_max}")
         if self.page_size is not None and batch.page_size != self.page_size:
             raise ValueError(f"batch.page_size must be {self.page_size} for this backend, got {batch.page_size}")
-        if batch.topk_indices is not None:
-            raise ValueError("batch.topk_indices: sparse decode is not supported by TritonMLABackend yet")
+        if batch.is_sparse:
+            k = batch.topk if batch.topk_on_device else batch.ragged_topk()[2]
+            if batch.topk_on_device and self.indexer is None:
+                raise ValueError("batch.topk without a selection needs the backend's top-k indexer "
+                                 "(construct it with indexer=IndexerWeights)")
+            if k > self.topk_max:
+                raise ValueError(f"batch topk={k} exceeds this backend's topk_max={self.topk_max} "
+                                 f"(construct it with topk_max >= {k} for sparse decode)")
         if batch.batch_size:
             pages = int(((batch.seq_lens.max() + batch.page_size - 1) // batch.page_size))
             if pages > self.max_blocks_per_seq:
@@ -252,6 +318,21 @@ class TritonMLABackend:
 
         ctx = self._context_lens_view(pad, width)
         ctx.copy_(ctx_host)
+        sparse = {}
+        if batch.is_sparse:
+            cfg = self._sparse_configs[batch.kv_dtype]
+            rows = pad * next_n
+            if batch.topk_on_device:
+                # written by the indexer inside forward; every request reads topk entries per token
+                idx = self._scratch("topk_indices", (rows, self.topk_max))
+                lens = self._stage("topk_length", torch.full((pad,), batch.topk, dtype=torch.int32))
+            else:
+                idx, lens = self._stage_topk(batch, pad)
+            sparse = dict(topk_indices=idx, topk_length=lens, topk_starts=self._flat_view("topk_starts", (rows,)),
+                          topk_rows=self._scratch("topk_rows", (rows,)), topk=int(batch.topk or batch.ragged_topk()[2]),
+                          topk_on_device=batch.topk_on_device,
+                          indexer_ctx=self._indexer_context_lens(ctx, pad, width) if batch.topk_on_device else None)
+        plan_rows = pad * next_n if batch.is_sparse else pad
         return TritonMLAMetadata(
             seq_lens=self._stage("seq_lens", seq),
             block_table=self._stage("block_table", bt),
@@ -259,13 +340,48 @@ class TritonMLABackend:
             ctx_width=self._stage("ctx_width", torch.tensor([width], dtype=torch.int32)),
             slot_mapping=self._stage("slot_mapping", slots),
             part_info=self._scratch("part_info", (cfg.num_parts + 1, 3)),
-            num_splits=self._scratch("num_splits", (pad,)),
-            split_offsets=self._scratch("split_offsets", (pad,)),
+            num_splits=self._scratch("num_splits", (plan_rows,)),
+            split_offsets=self._scratch("split_offsets", (plan_rows,)),
             num_reqs=B, padded_size=pad, next_n=next_n, max_decode_len=width,
-            kv_dtype=batch.kv_dtype, page_size=batch.page_size, config=cfg)
+            kv_dtype=batch.kv_dtype, page_size=batch.page_size, config=cfg, **sparse)
+
+    @staticmethod
+    def host_topk(batch: DecodeBatch, pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's ragged selection in the kernel layout, on the host.
+
+        Returns:
+            ``(indices int32 [pad*next_n, width], topk_length int32 [pad])``: row ``b*next_n+i``
+            holds token i's entries then ``-1`` up to ``width``; ``topk_length[b]`` is the
+            batch's ``topk`` for a request with real tokens, 0 otherwise (padded rows). Rows
+            of padding tokens are left all ``-1`` (no key: the contract ignores them).
+        """
+        flat, indptr, topk = batch.ragged_topk()
+        B, n = batch.batch_size, batch.next_n
+        host = torch.full((pad * n, width), -1, dtype=torch.int32)
+        lens = (indptr[1:] - indptr[:-1]).to(torch.int64).reshape(B, n) if B else torch.zeros(0, n, dtype=torch.int64)
+        real = torch.arange(n)[None, :] < batch.q_lens.to(torch.int64)[:, None]
+        lens = torch.where(real, lens, torch.zeros_like(lens))
+        starts = indptr[:-1].to(torch.int64)
+        for r in (lens.reshape(-1) > 0).nonzero().flatten().tolist():
+            k = int(lens.reshape(-1)[r])
+            host[r, :k] = flat[starts[r]:starts[r] + k].to(torch.int32)
+        tl = torch.zeros(pad, dtype=torch.int32)
+        tl[:B] = torch.where(batch.q_lens > 0, topk, 0).to(torch.int32)
+        return host, tl
+
+    def _stage_topk(self, batch: DecodeBatch, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ragged selection -> persistent ``topk_indices [pad*next_n, topk_max]`` and
+        ``topk_length [pad]``: the whole region is rewritten (entries then -1), so nothing the
+        kernel reads is left over from an earlier step."""
+        host, lens = self.host_topk(batch, pad, self.topk_max)
+        return self._stage("topk_indices", host), self._stage("topk_length", lens)
 
     def _make_sched(self, md: TritonMLAMetadata) -> SchedState:
         """A fresh, unplanned scheduler state bound to this build's plan buffers."""
+        return SchedState.over(md.config, md.part_info, md.num_splits, md.split_offsets)
+
+    def _make_sparse_sched(self, md: TritonMLAMetadata) -> SchedState:
+        """A fresh, unplanned scheduler state over this build's plan buffers (``pad*next_n`` rows)."""
         return SchedState.over(md.config, md.part_info, md.num_splits, md.split_offsets)
 
     def build(self, batch: DecodeBatch) -> TritonMLAMetadata:
@@ -273,7 +389,7 @@ class TritonMLABackend:
         the metadata buffers. Launches no kernel; the plan is made inside ``forward``."""
         self._check_batch(batch)
         md = self._fill_metadata(batch)
-        md.sched = self._make_sched(md)
+        md.sched = self._make_sparse_sched(md) if md.sparse else self._make_sched(md)
         return md
 
     # ------------------------------------------------------------------ forward
@@ -318,6 +434,62 @@ class TritonMLABackend:
         """Merge split rows and write 0 / -inf rows for requests without keys (all padded rows)."""
         ops.combine(partial_o, partial_lse, md.num_splits, md.split_offsets, out, lse, md.config.combine_block_m)
 
+    def _sparse_rows(self, md: TritonMLAMetadata) -> None:
+        """Entries each sparse row reads, on the device, into ``md.topk_rows``: request b's
+        ``topk_length`` for its real tokens (visible context > 0 in the flat context-lens
+        buffer), 0 for padding tokens and padded rows."""
+        # the width comes from the device (ctx_width), never from this build's Python ints:
+        # a graph captured at one max_decode_len is replayed at others
+        real = token_context(md.ctx_lens, md.ctx_width, md.next_n) > 0
+        md.topk_rows.view(md.padded_size, md.next_n).copy_(torch.where(real, md.topk_length[:, None], 0))
+
+    def _plan_sparse(self, md: TritonMLAMetadata) -> None:
+        """Plan the rows' tiles (``ceil(topk_rows / block_n)`` each), on every forward."""
+        md.sched.plan(md.topk_rows, force=True)
+
+    def _decode_sparse(self, q, kv_cache, md: TritonMLAMetadata, out, lse_rows, partial_o, partial_lse) -> None:
+        """Sparse decode over the plan (writes unsplit rows of out / lse_rows and the partials)."""
+        cfg, spec = md.config, self.spec
+        ops.decode_sparse(q, kv_cache, md.topk_indices.view(-1), md.topk_starts, md.topk_rows, md.part_info,
+                          md.num_splits, md.split_offsets, out, lse_rows, partial_o, partial_lse, spec.softmax_scale,
+                          spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group, cfg.block_m, cfg.block_n,
+                          cfg.num_warps, cfg.num_stages)
+
+    def _combine_sparse(self, md: TritonMLAMetadata, out, lse_rows, partial_o, partial_lse) -> None:
+        """Merge split rows over the ``[rows, 1, h, rank]`` view; rows without entries get 0 / -inf."""
+        rows, h = md.padded_size * md.next_n, self.spec.num_heads
+        ops.combine(partial_o, partial_lse, md.num_splits, md.split_offsets,
+                    out.view(rows, 1, h, self.spec.kv_lora_rank), lse_rows.view(rows, h, 1),
+                    md.config.combine_block_m)
+
+    def _indexer_context_lens(self, ctx: torch.Tensor, pad: int, width: int) -> torch.Tensor:
+        """Build time: the per-token context lengths the indexer reads. ``ctx`` is this
+        build's ``[pad, width]`` contiguous view of the flat 1-D buffer the dense path uses,
+        already filled; the indexer reads it with the device-side width ``ctx_width``, like
+        the decode kernel, so it is handed over as is."""
+        return ctx
+
+    def _run_indexer(self, q, kv_cache, md: TritonMLAMetadata) -> None:
+        """Select each token's top-k on the device into ``md.topk_indices`` (-1 past the picks)."""
+        w, spec = self.indexer, self.spec
+        indexer_topk(q, kv_cache, md.block_table, md.indexer_ctx, md.ctx_width, w.w_q, w.w_k, w.head_w,
+                     md.topk_indices.view(md.padded_size, md.next_n, self.topk_max), md.topk,
+                     spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group)
+
+    def _forward_sparse(self, q, kv_cache, md: TritonMLAMetadata, out) -> tuple[torch.Tensor, torch.Tensor]:
+        if md.topk_on_device:
+            self._run_indexer(q, kv_cache, md)
+        self._sparse_rows(md)
+        self._plan_sparse(md)
+        out, lse = self._alloc_outputs(q, md, out)
+        h = self.spec.num_heads
+        partial_o, partial_lse = alloc_sparse_partials(md.config, h, self.spec.kv_lora_rank, q.device)
+        lse_rows = torch.empty(md.padded_size * md.next_n, h, dtype=torch.float32, device=q.device)
+        self._decode_sparse(q, kv_cache, md, out, lse_rows, partial_o, partial_lse)
+        self._combine_sparse(md, out, lse_rows, partial_o, partial_lse)
+        lse.copy_(lse_rows.view(md.padded_size, md.next_n, h).permute(0, 2, 1))
+        return out, lse
+
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: TritonMLAMetadata,
                 out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Device work only (capturable).
@@ -333,6 +505,8 @@ class TritonMLABackend:
         """
         md = metadata
         self._check_forward(q, kv_cache, md, out)
+        if md.sparse:
+            return self._forward_sparse(q, kv_cache, md, out)
         self._plan(md)
         out, lse = self._alloc_outputs(q, md, out)
         partial_o, partial_lse = alloc_partials(md.config, md.next_n, self.spec.num_heads, self.spec.kv_lora_rank,

@@ -121,7 +121,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = None, *,
-                   fp8: bool = False) -> DecodeConfig:
+                   fp8: bool = False, sparse: bool = False) -> DecodeConfig:
     """The configuration ``mla_decode`` and the backend use unless given one.
 
     On CPU (interpreter) the tiles are the smallest the interpreter's ``tl.dot`` accepts and
@@ -132,10 +132,14 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     there are many heads; one persistent program per SM (``num_parts * m_blocks = SMs``)
     beat two per SM in every swept case; FP8 with 16 rows prefetches its next tile into
     registers, larger row blocks do better with Triton's own pipelining.
+
+    ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
+    ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
+    the fuzzer's top-k of up to 64 still spans two tiles, so splits are exercised.
     """
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda":
-        return DecodeConfig(block_m=16, block_n=16, num_parts=5, min_tiles_per_part=1,
+        return DecodeConfig(block_m=16, block_n=32 if sparse else 16, num_parts=5, min_tiles_per_part=1,
                             num_warps=4, num_stages=1, combine_block_m=16)
     rows = s_q * spec.num_heads
     prefetch = False

@@ -18,9 +18,10 @@ from .checks import check_device, check_tensor
 from .combine import launch_combine
 from .config import interpreting
 from .decode_split import launch_decode_split
+from .decode_sparse import launch_decode_sparse
 from .planner import launch_planner
 
-__all__ = ["write_kv_cache", "plan", "decode_split", "combine"]
+__all__ = ["write_kv_cache", "plan", "decode_split", "decode_sparse", "combine"]
 
 _I32 = (torch.int32,)
 _F32 = (torch.float32,)
@@ -168,6 +169,68 @@ def _decode_split_fake(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_wi
                        block_m, block_n, num_warps, num_stages, fp8_prefetch=False) -> None:
     _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                   split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group)
+
+
+# --------------------------------------------------------------------------- sparse decode
+
+def _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
+                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group):
+    check_tensor("q", q, dtypes=_Q, shape=(None, None, None, rank + rope_dim),
+                 shape_text=f"[B, s_q, h_q, d_qk={rank + rope_dim}]")
+    B, s_q, h, _ = q.shape
+    R = B * s_q
+    _check_cache(kv_cache, rank, rope_dim, fp8_group)
+    check_tensor("indices", indices, dtypes=_I32, shape=(None,), shape_text="[N] int32 (flat top-k slots)")
+    check_tensor("row_start", row_start, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
+    check_tensor("row_len", row_len, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
+    check_tensor("part_info", part_info, dtypes=_I32, shape=(None, 3), shape_text="[num_parts + 1, 3] int32")
+    if part_info.shape[0] < 2:
+        raise ValueError(f"part_info must have num_parts + 1 >= 2 rows, got {tuple(part_info.shape)}")
+    check_tensor("num_splits", num_splits, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
+    check_tensor("split_offsets", split_offsets, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
+    check_tensor("out", out, dtypes=(q.dtype,), shape=(B, s_q, h, rank), shape_text=f"[B={B}, s_q={s_q}, h={h}, {rank}]")
+    check_tensor("lse_rows", lse_rows, dtypes=_F32, shape=(R, h), shape_text=f"[B*s_q={R}, h={h}] fp32")
+    check_tensor("partial_o", partial_o, dtypes=_F32, shape=(None, h, rank), shape_text=f"[capacity, h={h}, {rank}] fp32")
+    check_tensor("partial_lse", partial_lse, dtypes=_F32, shape=(partial_o.shape[0], h),
+                 shape_text=f"[capacity={partial_o.shape[0]}, h={h}] fp32")
+    check_device(q.device, kv_cache=kv_cache, indices=indices, row_start=row_start, row_len=row_len,
+                 part_info=part_info, num_splits=num_splits, split_offsets=split_offsets, out=out, lse_rows=lse_rows,
+                 partial_o=partial_o, partial_lse=partial_lse)
+
+
+@torch.library.custom_op("mla_fuzz::decode_sparse",
+                         mutates_args=("out", "lse_rows", "partial_o", "partial_lse"))
+def decode_sparse(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, row_start: torch.Tensor,
+                  row_len: torch.Tensor, part_info: torch.Tensor, num_splits: torch.Tensor,
+                  split_offsets: torch.Tensor, out: torch.Tensor, lse_rows: torch.Tensor, partial_o: torch.Tensor,
+                  partial_lse: torch.Tensor, softmax_scale: float, rank: int, rope_dim: int, fp8_group: int,
+                  block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+    """Sparse top-k decode over the plan in ``part_info`` / ``num_splits`` / ``split_offsets``
+    (made by ``plan`` from ``row_len``), see ``kernels.decode_sparse``.
+
+    Row ``r = b * s_q + i`` (query token i of request b) attends to the cache slots
+    ``indices[row_start[r] : row_start[r] + row_len[r]]`` (int32 flat ``[N]``; ``-1`` masked).
+    Writes unsplit rows of ``out [B, s_q, h, rank]`` / ``lse_rows`` fp32 ``[B*s_q, h]`` and the
+    partials ``[cap, h, rank]`` / ``[cap, h]`` of split rows; ``combine`` over the
+    ``[B*s_q, 1, h, rank]`` view finishes the rest.
+    """
+    _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
+                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group)
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return
+    launch_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
+                         lse_rows, partial_o, partial_lse, softmax_scale=softmax_scale, rank=rank,
+                         rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n,
+                         num_warps=num_warps, num_stages=num_stages,
+                         dot_f32=interpreting() or q.dtype == torch.float32)
+
+
+@decode_sparse.register_fake
+def _decode_sparse_fake(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
+                        lse_rows, partial_o, partial_lse, softmax_scale, rank, rope_dim, fp8_group, block_m, block_n,
+                        num_warps, num_stages) -> None:
+    _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
+                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group)
 
 
 # --------------------------------------------------------------------------- combine

@@ -8,6 +8,7 @@ from .fp8 import (FP8_AMAX_FLOOR, FP8_E4M3_MAX, dequantize_kv_fp8, ieee_div, qua
 from .cache import (CACHE_FLOAT_DTYPES, check_kv_cache, gather_kv, is_fp8_cache, make_kv_cache, read_slots,
                     write_kv_cache)
 from .decode import DecodePlan, attend, check_decode_args, mla_decode
+from .indexer import IndexerWeights, indexer_topk
 from .layer import (MLALayerWeights, absorb_q, apply_rope, compress_kv, mla_layer_decode_absorbed,
                     mla_layer_decode_naive, o_project, project_q, quantize_fp8_per_tensor, rms_norm,
                     unabsorb_out)
@@ -17,7 +18,7 @@ __all__ = [
     "FP8_AMAX_FLOOR", "FP8_E4M3_MAX", "quantize_kv_fp8", "dequantize_kv_fp8", "split_fp8_tokens", "ieee_div",
     "CACHE_FLOAT_DTYPES", "check_kv_cache", "make_kv_cache", "write_kv_cache", "gather_kv", "read_slots",
     "is_fp8_cache",
-    "DecodePlan", "check_decode_args", "attend", "mla_decode",
+    "DecodePlan", "check_decode_args", "attend", "mla_decode", "IndexerWeights", "indexer_topk",
     "MLALayerWeights", "rms_norm", "apply_rope", "project_q", "compress_kv", "absorb_q", "unabsorb_out",
     "quantize_fp8_per_tensor", "o_project", "mla_layer_decode_absorbed", "mla_layer_decode_naive",
 ]

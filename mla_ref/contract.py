@@ -33,6 +33,14 @@ class DecodeBatch:
       rows pointing at ``null_block``, slot -1.
     - ``kv_dtype``: ``"bf16" | "fp16" | "fp8"`` (FP8 = FlashMLA's uint8 token layout).
     - ``topk_indices`` int32 ``[B, next_n, topk]`` (sparse decode only): global slots, ``-1`` invalid.
+    - Ragged form of the same selection (sparse decode, as engines produce it; give this *or*
+      ``topk_indices``): ``topk_flat`` int32 ``[nnz]`` holds the rows back to back,
+      ``topk_indptr`` int32 ``[B*next_n + 1]`` delimits them (row ``b*next_n + i`` = query token
+      i of request b is ``topk_flat[indptr[r]:indptr[r+1]]``; rows of padding tokens are
+      ignored), and ``topk`` (int) bounds every row's length. Entries are global slots, ``-1``
+      invalid; a row may hold fewer than ``topk`` entries, be empty, or be all ``-1``.
+      ``topk`` alone (no ``topk_flat``/``topk_indptr``): sparse decode whose selection the
+      backend makes on the device with its top-k indexer (``mla_ref.indexer_topk``).
     """
 
     seq_lens: torch.Tensor
@@ -47,6 +55,9 @@ class DecodeBatch:
     null_block: int = 0
     topk_indices: Optional[torch.Tensor] = None
     extra: dict = field(default_factory=dict)
+    topk_flat: Optional[torch.Tensor] = None
+    topk_indptr: Optional[torch.Tensor] = None
+    topk: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_decode_len is None:
@@ -60,6 +71,42 @@ class DecodeBatch:
     @property
     def padded_size(self) -> int:
         return self.pad_to if self.pad_to is not None else self.batch_size
+
+    @property
+    def is_sparse(self) -> bool:
+        """True when the step carries a top-k selection (dense or ragged)."""
+        return self.topk_indices is not None or self.topk is not None
+
+    @property
+    def topk_on_device(self) -> bool:
+        """True when the backend's indexer selects the top-k (``topk`` given alone)."""
+        return self.topk is not None and self.topk_flat is None and self.topk_indices is None
+
+    def ragged_topk(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The selection in ragged form: ``(flat int32 [nnz], indptr int32 [B*next_n+1], topk)``
+        (converted from ``topk_indices`` when that is the form given: every row full width)."""
+        if self.topk_flat is not None:
+            return self.topk_flat, self.topk_indptr, int(self.topk)
+        if self.topk_indices is None:
+            raise ValueError("DecodeBatch: no host-side top-k selection (not sparse, or selected on the device)")
+        B, n, k = self.topk_indices.shape
+        indptr = torch.arange(B * n + 1, dtype=torch.int32) * k
+        return self.topk_indices.reshape(-1).to(torch.int32), indptr, int(k)
+
+    def dense_topk(self) -> torch.Tensor:
+        """The selection as int32 ``[B, next_n, topk]``, ``-1`` past each row's entries (the
+        reference's ``indices`` argument)."""
+        if self.topk_indices is not None:
+            return self.topk_indices.to(torch.int32)
+        flat, indptr, k = self.ragged_topk()
+        B, n = self.batch_size, self.next_n
+        dense = torch.full((B * n, k), -1, dtype=torch.int32)
+        lens = (indptr[1:] - indptr[:-1]).to(torch.int64)
+        if flat.numel():
+            rows = torch.repeat_interleave(torch.arange(B * n), lens)
+            cols = torch.arange(flat.numel()) - indptr[:-1].to(torch.int64)[rows]
+            dense[rows, cols] = flat.to(torch.int32)
+        return dense.reshape(B, n, k)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the expected vs given value."""
@@ -94,6 +141,25 @@ class DecodeBatch:
         if self.topk_indices is not None:
             need(self.topk_indices.dim() == 3 and tuple(self.topk_indices.shape[:2]) == (B, self.next_n),
                  f"topk_indices must be [B={B}, next_n={self.next_n}, topk], got {tuple(self.topk_indices.shape)}")
+        if self.topk is not None:
+            need(isinstance(self.topk, int) and self.topk >= 1, f"topk must be a positive int, got {self.topk!r}")
+        ragged = (self.topk_flat, self.topk_indptr, self.topk)
+        if self.topk_flat is not None or self.topk_indptr is not None:
+            need(all(v is not None for v in ragged), "topk_flat, topk_indptr and topk must be given together")
+            need(self.topk_indices is None, "give the selection as topk_indices or as topk_flat/topk_indptr, not both")
+            R = B * self.next_n
+            need(isinstance(self.topk, int) and self.topk >= 1, f"topk must be a positive int, got {self.topk!r}")
+            need(self.topk_flat.dim() == 1, f"topk_flat must be 1-D [nnz], got {tuple(self.topk_flat.shape)}")
+            need(tuple(self.topk_indptr.shape) == (R + 1,),
+                 f"topk_indptr must be [B*next_n+1={R + 1}], got {tuple(self.topk_indptr.shape)}")
+            ind = self.topk_indptr.to(torch.int64)
+            lens = ind[1:] - ind[:-1]
+            need(int(ind[0]) == 0 and int(ind[-1]) == self.topk_flat.numel(),
+                 f"topk_indptr must start at 0 and end at nnz={self.topk_flat.numel()}, got "
+                 f"{int(ind[0])}..{int(ind[-1])}")
+            need(R == 0 or int(lens.min()) >= 0, "topk_indptr must be non-decreasing")
+            need(R == 0 or int(lens.max()) <= self.topk,
+                 f"every topk row must hold <= topk={self.topk} entries, got {int(lens.max()) if R else 0}")
 
     def to_dict(self) -> dict:
         """JSON-ready form (lists of ints), the inverse of ``from_dict``."""
@@ -104,6 +170,10 @@ class DecodeBatch:
             "pad_to": self.pad_to, "kv_dtype": self.kv_dtype, "null_block": self.null_block,
             "topk_indices": None if self.topk_indices is None else self.topk_indices.tolist(),
         }
+        if self.topk_flat is not None:  # only sparse ragged batches carry these keys
+            d.update(topk_flat=self.topk_flat.tolist(), topk_indptr=self.topk_indptr.tolist())
+        if self.topk is not None:
+            d["topk"] = self.topk
         return d
 
     @classmethod
@@ -120,6 +190,9 @@ class DecodeBatch:
             page_size=int(d["page_size"]), next_n=next_n, max_decode_len=d.get("max_decode_len"),
             pad_to=d.get("pad_to"), kv_dtype=d.get("kv_dtype", "bf16"), null_block=int(d.get("null_block", 0)),
             topk_indices=None if topk is None else torch.tensor(topk, dtype=torch.int32).reshape(B, next_n, -1),
+            topk_flat=None if d.get("topk_flat") is None else torch.tensor(d["topk_flat"], dtype=torch.int32),
+            topk_indptr=None if d.get("topk_indptr") is None else torch.tensor(d["topk_indptr"], dtype=torch.int32),
+            topk=None if d.get("topk") is None else int(d["topk"]),
         )
 
 

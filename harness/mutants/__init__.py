@@ -9,6 +9,7 @@ are a correct explanation of that bug.
 from .graph_state import HostSplitDecision, ItemInCapture, SharedLazySched, StaleFP8Metadata
 from .layout import NoncontigContextLens, PaddedSlotWrite
 from .padding import NanZeroLen, UninitPaddingAmax
+from .indexer import IndexerTwoDContextLens
 from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail
 
 ALL = {
@@ -23,6 +24,7 @@ ALL = {
     "ragged-fresh-alloc": RaggedFreshAlloc,
     "ragged-item-sync": RaggedItemSync,
     "ragged-stale-tail": RaggedStaleTail,
+    "indexer-2d-context-lens": IndexerTwoDContextLens,
 }
 
 EXPECTED = {
@@ -39,6 +41,7 @@ EXPECTED = {
     # the kernel reads data an earlier step left in a persistent buffer the build did not
     # refresh: the stale-address family (diagnosis experiment "fresh backend")
     "ragged-stale-tail": {"stale-address"},
+    "indexer-2d-context-lens": {"contiguity"},
 }
 
 __all__ = ["ALL", "EXPECTED"] + [c.__name__ for c in ALL.values()]

@@ -41,9 +41,9 @@ class RaggedItemSync(TritonMLABackend):
 class RaggedStaleTail(TritonMLABackend):
     """#42604's first fix, second half: only the nnz entries the engine handed over are
     copied into the persistent index buffer. The kernel reads each real token's first
-    ``topk_length[b]`` entries and relies on -1 past the row's own entries; with an
-    nnz-sized copy those positions still hold the previous step's slots, so a token
-    shorter than its request's longest row attends to keys an earlier step selected."""
+    ``topk`` entries (FlashMLA's fixed top-k) and relies on -1 past the row's own entries;
+    with an nnz-sized copy those positions still hold the previous step's slots, so a token
+    with fewer than ``topk`` entries attends to keys an earlier step selected."""
 
     name = "ragged-stale-tail"
 
