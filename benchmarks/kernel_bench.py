@@ -102,7 +102,16 @@ def run_case(spec, pool, h, s_q, B, L, kv, config, gen):
                         next_n=s_q, pad_to=B, kv_dtype=kv)
     be = TritonMLABackend(spec_h, device="cuda", max_batch=B, capture_sizes=[B], next_n_max=s_q,
                           max_blocks_per_seq=pages, page_size=PAGE, config=config)
-    md = be.build(batch)
+    q, out, t_ms = _time_graph_replay(be, be.build(batch), cache, spec, B, s_q, h)
+    kv_bytes = B * L * BYTES_PER_TOKEN[kv]
+    io_bytes = kv_bytes + q.numel() * 2 + out.numel() * 2
+    flops = 2.0 * B * s_q * h * L * (spec.d_qk + spec.kv_lora_rank)
+    return t_ms, io_bytes, flops
+
+
+def _time_graph_replay(be, md, cache, spec, B, s_q, h):
+    """Median time (ms) of a CUDA-graph replay of ``be.forward`` on random bf16 queries;
+    returns the q and out buffers too (their sizes enter the byte count)."""
     q = torch.randn(B, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(B, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
     be.forward(q, cache, md, out=out)  # compile + warm
@@ -112,10 +121,7 @@ def run_case(spec, pool, h, s_q, B, L, kv, config, gen):
         be.forward(q, cache, md, out=out)
     t_ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
     del graph
-    kv_bytes = B * L * BYTES_PER_TOKEN[kv]
-    io_bytes = kv_bytes + q.numel() * 2 + out.numel() * 2
-    flops = 2.0 * B * s_q * h * L * (spec.d_qk + spec.kv_lora_rank)
-    return t_ms, io_bytes, flops
+    return q, out, t_ms
 
 
 def run_sparse_case(spec, pool, h, s_q, B, L, kv, topk, gen):
@@ -138,15 +144,7 @@ def run_sparse_case(spec, pool, h, s_q, B, L, kv, topk, gen):
     be = TritonMLABackend(spec_h, device="cuda", max_batch=B, capture_sizes=[B], next_n_max=s_q,
                           max_blocks_per_seq=pages, page_size=PAGE, topk_max=topk)
     md = be.build(batch)
-    q = torch.randn(B, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(B, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
-    be.forward(q, cache, md, out=out)  # compile + warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        be.forward(q, cache, md, out=out)
-    t_ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-    del graph
+    q, out, t_ms = _time_graph_replay(be, md, cache, spec, B, s_q, h)
     kv_bytes = B * s_q * topk * BYTES_PER_TOKEN[kv]
     io_bytes = kv_bytes + q.numel() * 2 + out.numel() * 2 + flat.numel() * 4
     flops = 2.0 * B * s_q * h * topk * (spec.d_qk + spec.kv_lora_rank)
