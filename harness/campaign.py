@@ -58,6 +58,12 @@ class CampaignOptions:
     case_timeout: float | None = 300.0
     chunk: int = DEFAULT_CHUNK
     reduce: bool = True
+    # run the workers under a private CUDA MPS daemon (harness.mps); crash/hang repros are
+    # then confirmed by a replay without MPS at the end instead of being reduced
+    mps: bool = False
+    # with ``mps``: the environment of an MPS daemon already running (a bench shares one
+    # across campaigns); None = start a private one for this campaign
+    mps_env: dict | None = None
 
 
 @dataclass
@@ -208,7 +214,14 @@ class CampaignRun:
         if self._log_dir is None:
             tmp = tempfile.TemporaryDirectory(prefix="mla-fuzz-workers-")
             self._log_dir = tmp.name
-        pool = Pool(opts.worker_envs, self._log_dir, case_timeout=opts.case_timeout)
+        envs, daemon = opts.worker_envs, None
+        if opts.mps and opts.mps_env is not None:
+            envs = [dict(e, **opts.mps_env) for e in envs]
+        elif opts.mps:
+            from .mps import MpsDaemon
+            daemon = MpsDaemon().start()  # MpsError (a ValueError) if it cannot start
+            envs = [dict(e, **daemon.env()) for e in envs]
+        pool = Pool(envs, self._log_dir, case_timeout=opts.case_timeout)
         old_handler = None
         if handle_sigint and threading.current_thread() is threading.main_thread():
             old_handler = signal.signal(signal.SIGINT, lambda *_: self.interrupt())
@@ -219,15 +232,57 @@ class CampaignRun:
             self._loop(pool)
         finally:
             pool.close(kill=self._hard or self.result.interrupted)
+            self.result.elapsed = time.monotonic() - self._t0
+            if daemon is not None:
+                daemon.stop()
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
-            self.result.elapsed = time.monotonic() - self._t0
             self.result.restarts = pool.restarts
             self._absorb_live()
             self.result.state = "interrupted" if self.result.interrupted else "done"
             if tmp is not None:
                 tmp.cleanup()
+        if opts.mps:
+            self._confirm_process_failures()
         return self.result
+
+    def _confirm_process_failures(self) -> None:
+        """Under MPS a fatal GPU fault in one worker also ends the other workers on that GPU,
+        so a worker's death does not prove that *its* step crashed. Each crash/hang repro
+        found under MPS is replayed alone, in a worker without MPS: kept when it still
+        dies (or hangs), else moved to ``<corpus>/unconfirmed/`` with a warning."""
+        from .crash_repro import PROCESS_ORACLES
+        from .replaying import replay_isolated
+
+        for sig, f in list(self.result.findings.items()):
+            if f.cls not in ("crash", "hang"):
+                continue
+            if self.result.interrupted:
+                self.result.warnings.append(f"{f.path}: found under MPS, not confirmed (interrupted)")
+                continue
+            self.result.state = f"confirming {f.cls} repro without MPS"
+            try:
+                out = replay_isolated(f.repro, None, self.opts.graph, self.opts.worker_envs[0],
+                                      self.opts.case_timeout)
+            except (RuntimeError, ValueError) as exc:
+                self.result.warnings.append(f"{f.path}: found under MPS, could not be confirmed: {exc}")
+                continue
+            if out.failed and out.oracle in PROCESS_ORACLES:
+                continue
+            moved = None
+            if f.path is not None and f.path.exists():
+                dest = f.path.parent / "unconfirmed"
+                dest.mkdir(parents=True, exist_ok=True)
+                moved = dest / f.path.name
+                os.replace(f.path, moved)
+            del self.result.findings[sig]
+            self.result.failures[f.cls] -= f.count
+            if self.result.failures[f.cls] <= 0:
+                del self.result.failures[f.cls]
+            self.result.warnings.append(
+                f"a worker {'died' if f.cls == 'crash' else 'hung'} under MPS in a scenario that passes when replayed "
+                f"alone without MPS: most likely another worker's GPU fault ended it (MPS shares faults among the "
+                f"processes on a GPU); its repro is kept in {moved}")
 
     # -- loop ----------------------------------------------------------------------------
     def _elapsed(self) -> float:
@@ -414,7 +469,8 @@ class CampaignRun:
             return
         self._blind = 0
         new = self._found(repro, None)
-        if new and self.opts.reduce and len(repro["steps"]) > 1:
+        # under MPS a candidate's "death" may be a neighbour's fault: no reduction there
+        if new and self.opts.reduce and not self.opts.mps and len(repro["steps"]) > 1:
             self._reducers[signature(repro)] = StepReducer(repro["steps"])
 
     def _found(self, repro: dict, examples_to_detect) -> bool:
@@ -484,7 +540,8 @@ def worker_envs(workers: str | int, mode: str, device_count: int | None = None,
 
     ``workers``: an int >= 1 or ``"auto"``. GPU modes (``cuda``, and ``eager`` when a GPU is
     visible) give each worker one GPU by ``CUDA_VISIBLE_DEVICES`` (round robin when there are
-    more workers than GPUs; ``auto`` = one per GPU). CPU modes (``emulated``, ``eager``
+    more workers than GPUs, so ``N`` workers on one GPU share it; ``auto`` = one per GPU)
+    and one intra-op thread. CPU modes (``emulated``, ``eager``
     without a GPU) run the kernels through Triton's interpreter (``TRITON_INTERPRET=1``) with
     no GPU visible; ``auto`` = one per CPU core, and torch's intra-op threads are split among
     the workers so they do not oversubscribe the cores.
@@ -503,7 +560,14 @@ def worker_envs(workers: str | int, mode: str, device_count: int | None = None,
         ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(device_count)]
         ids = ids[:device_count] or ["0"]
         n = len(ids) if workers == "auto" else int(workers)
-        return [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)]} for i in range(n)]
+        # The host side of a GPU worker is many tiny tensor ops (batch building, oracle
+        # comparisons): intra-op threads only add spin-waiting, and several workers
+        # sharing a GPU box would oversubscribe its cores (measured: a campaign with
+        # torch's default threads ran 5x slower on a busy 2-core host). One thread each.
+        extra = {"MLA_FUZZ_TORCH_THREADS": "1"}
+        if "OMP_NUM_THREADS" not in os.environ:
+            extra["OMP_NUM_THREADS"] = "1"
+        return [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)], **extra} for i in range(n)]
     n = cpu_count if workers == "auto" else int(workers)
     threads = str(max(1, cpu_count // max(n, 1)))
     env = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET") or "1",

@@ -1,4 +1,4 @@
-"""``mla-fuzz``: the command line (``run``, ``replay``, ``mutants``, ``bisect``).
+"""``mla-fuzz``: the command line (``run``, ``replay``, ``mutants``, ``bisect``, ``bench``).
 
 Exit codes: 0 nothing found (or every repro fixed); 1 failures found (a repro still
 fails, a mutant escaped or the clean backend was flagged); 2 usage or input error (bad
@@ -100,6 +100,10 @@ def _build_parser() -> _Parser:
     lim.add_argument("--workers", default="1", metavar="N|auto",
                      help="worker processes: N, or auto = one per GPU (cuda) / per CPU core (emulated)")
     lim.add_argument("--chunk", default=None, metavar="N", help="examples per fuzz() call (default 100)")
+    lim.add_argument("--mps", action="store_true",
+                     help="cuda: run the workers under a private CUDA MPS daemon, so several workers share a "
+                          "GPU concurrently (use with --workers N > GPUs); crash repros are then confirmed "
+                          "without MPS")
     out = run.add_argument_group("output")
     out.add_argument("--corpus", default=".mla-fuzz/corpus", metavar="DIR",
                      help="where repro files go (default .mla-fuzz/corpus)")
@@ -136,6 +140,29 @@ def _build_parser() -> _Parser:
 
     from .bisect import add_bisect_parser  # stdlib-only module: cheap at parser build
     add_bisect_parser(sub)
+
+    ben = sub.add_parser("bench", help="fuzzer throughput (cases/s) against the targets",
+                         description="Time-bounded campaigns against the clean backend; cases/s per run, after an "
+                         "untimed warm-up that fills Triton's kernel cache. cuda: GPUS x PER_GPU workers per run; "
+                         "emulated/eager: WORKERS per run. Exit 0 when every run finished (a target not met is "
+                         "reported, not an error), 1 if the clean backend was flagged, 2 usage error.")
+    ben.add_argument("--backend", default="triton", metavar="REF", help="backend to fuzz (default triton)")
+    ben.add_argument("--spec", default="tiny", metavar="SPECS", help="comma-separated: tiny,deepseek-v3 (default tiny)")
+    ben.add_argument("--graph", default="auto", metavar="MODES",
+                     help="comma-separated graph modes (default auto: cuda with a GPU, else emulated)")
+    ben.add_argument("--gpus", default=None, metavar="LIST", help="cuda: GPU counts, e.g. 1,2 (default: 1 and all)")
+    ben.add_argument("--per-gpu", default="1,8", metavar="LIST", help="cuda: worker processes per GPU (default 1,8)")
+    ben.add_argument("--workers", default="1,auto", metavar="LIST", help="CPU modes: worker counts (default 1,auto)")
+    ben.add_argument("--budget", default="30s", metavar="DURATION", help="per timed run (default 30s)")
+    ben.add_argument("--warmup", default="30s", metavar="DURATION", help="untimed warm-up per spec and mode "
+                     "(default 30s; 0 for none)")
+    ben.add_argument("--seed", default="0", metavar="S")
+    ben.add_argument("--chunk", default="100", metavar="N", help="examples per fuzz() call (default 100, as run)")
+    ben.add_argument("--case-timeout", default=None, metavar="SECONDS")
+    ben.add_argument("--mps", action="store_true", help="cuda: workers under a private CUDA MPS daemon (see run)")
+    ben.add_argument("--corpus", default=".mla-fuzz/corpus", metavar="DIR",
+                     help="where repro files of any failure go (default .mla-fuzz/corpus)")
+    ben.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     return ap
 
 
@@ -182,6 +209,17 @@ def _resolve_mode(graph: str) -> str:
     return graph
 
 
+def _check_mps(mps: bool, mode: str) -> None:
+    if not mps:
+        return
+    if mode != "cuda":
+        raise UsageError(f"--mps shares GPUs between workers: it needs --graph cuda (here: {mode})")
+    from .mps import CONTROL, find_control
+    if find_control() is None:
+        raise UsageError(f"--mps: {CONTROL} was not found (PATH, /usr/local/nvidia/bin); install the NVIDIA "
+                         "driver utilities or set MLA_FUZZ_MPS_CONTROL")
+
+
 def _check_backend(ref: str) -> None:
     from .loading import load_backend
     try:
@@ -217,18 +255,23 @@ def cmd_run(args) -> int:
     seed, case_timeout, workers = _seed(args.seed), _case_timeout(args.case_timeout), _workers(args.workers)
     mode = _resolve_mode(args.graph)
     _check_backend(backend)
+    _check_mps(args.mps, mode)
     opts = CampaignOptions(backend=backend, graph=mode, spec=args.spec, budget_s=budget, examples=examples, seed=seed,
                            corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
-                           case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce)
+                           case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce, mps=args.mps)
     print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {args.spec}, seed {seed}, "
-          f"{len(opts.worker_envs)} worker(s), " + ("no time limit" if budget is None else f"budget {budget:g}s")
+          f"{len(opts.worker_envs)} worker(s){' under MPS' if args.mps else ''}, "
+          + ("no time limit" if budget is None else f"budget {budget:g}s")
           + ("" if examples is None else f", {examples} examples"), file=sys.stderr, flush=True)
     display = None if args.quiet else make_progress()
-    if display is not None:
-        with display:
-            result = CampaignRun(opts, display).run()
-    else:
-        result = CampaignRun(opts).run()
+    try:
+        if display is not None:
+            with display:
+                result = CampaignRun(opts, display).run()
+        else:
+            result = CampaignRun(opts).run()
+    except ValueError as exc:  # harness.mps.MpsError: the daemon did not start
+        raise UsageError(str(exc)) from None
     report = result.to_dict()
     if result.error_kind == "input":
         code = EXIT_USAGE
@@ -375,7 +418,66 @@ def cmd_bisect(args) -> int:
     return run_bisect(args)
 
 
-COMMANDS = {"run": cmd_run, "replay": cmd_replay, "mutants": cmd_mutants, "bisect": cmd_bisect}
+def _int_list(what: str, text: str, allow_auto: bool = False) -> tuple:
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise UsageError(f"{what}: expected a comma-separated list, got {text!r}")
+    out = []
+    for x in items:
+        out.append("auto" if allow_auto and x.lower() == "auto" else _positive_int(what, x))
+    return tuple(out)
+
+
+def cmd_bench(args) -> int:
+    from .throughput import HEADER, BenchPlan, run_bench, run_line, summary_lines, visible_gpu_ids
+
+    specs = tuple(x.strip() for x in args.spec.split(",") if x.strip())
+    bad = [x for x in specs if x not in SPECS]
+    if not specs or bad:
+        raise UsageError(f"--spec: expected a comma-separated subset of {', '.join(SPECS)}, got {args.spec!r}")
+    modes = []
+    for m in (x.strip() for x in args.graph.split(",") if x.strip()):
+        if m not in GRAPHS:
+            raise UsageError(f"--graph: expected modes among {', '.join(GRAPHS)}, got {m!r}")
+        modes.append(_resolve_mode(m))
+    if not modes:
+        raise UsageError(f"--graph: expected a comma-separated list of modes, got {args.graph!r}")
+    _check_backend(args.backend)
+    if args.mps:
+        for m in modes:
+            _check_mps(True, m)
+    ngpu = len(visible_gpu_ids()) if "cuda" in modes else 0
+    gpus = _int_list("--gpus", args.gpus) if args.gpus else tuple(sorted({1, max(ngpu, 1)}))
+    warmup = 0.0 if str(args.warmup).strip() in ("0", "0s") else parse_duration(args.warmup, "--warmup")
+    plan = BenchPlan(backend=args.backend, specs=specs, modes=tuple(dict.fromkeys(modes)), gpus=gpus,
+                     per_gpu=_int_list("--per-gpu", args.per_gpu),
+                     cpu_workers=_int_list("--workers", args.workers, allow_auto=True),
+                     budget_s=parse_duration(args.budget), warmup_s=warmup, seed=_seed(args.seed),
+                     chunk=_positive_int("--chunk", args.chunk), case_timeout=_case_timeout(args.case_timeout),
+                     corpus=args.corpus, mps=args.mps)
+    print(f"mla-fuzz bench: backend {plan.backend}, specs {','.join(specs)}, modes {','.join(plan.modes)}, "
+          f"{plan.budget_s:g}s per run after a {plan.warmup_s:g}s warm-up", file=sys.stderr, flush=True)
+    print(HEADER, flush=True)
+    try:
+        doc = run_bench(plan, on_run=lambda r: print(run_line(r), flush=True))
+    except ValueError as exc:  # harness.mps.MpsError
+        raise UsageError(str(exc)) from None
+    _print_lines(summary_lines(doc["summary"]))
+    flagged = [r for r in doc["runs"] if r.get("failures")]
+    errors = [r for r in doc["runs"] if r.get("errors")]
+    code = EXIT_FOUND if flagged else (EXIT_INTERNAL if errors else EXIT_OK)
+    doc["exit_code"] = code
+    if args.json:
+        write_json(args.json, doc)
+        print(f"results: {args.json}")
+    if flagged:
+        print(f"FAIL: the backend was flagged in {len(flagged)} run(s); see the failures in the JSON/corpus",
+              file=sys.stderr)
+    return code
+
+
+COMMANDS = {"run": cmd_run, "replay": cmd_replay, "mutants": cmd_mutants, "bisect": cmd_bisect,
+            "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

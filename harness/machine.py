@@ -74,6 +74,14 @@ def make_machine(c: Campaign):
             self.runner = None
             self.steps: list[dict] = []
             self.captured: set[int] = set()
+            self._batch_strategies: dict = {}
+
+        def _batches(self, rows: int):
+            # one strategy object per row bound and scenario: Hypothesis re-validates a
+            # fresh strategy object on every draw
+            if rows not in self._batch_strategies:
+                self._batch_strategies[rows] = batch_draws(self.cfg, rows)
+            return self._batch_strategies[rows]
 
         @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_pages=c.max_pages,
                                 page_sizes=c.page_sizes, sparse_ok=sparse_ok), data=st.data())
@@ -119,7 +127,7 @@ def make_machine(c: Campaign):
 
         def _capture(self, data):
             size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
-            batch = data.draw(batch_draws(self.cfg, size), label="batch")
+            batch = data.draw(self._batches(size), label="batch")
             self._run({"op": "capture", "size": size, "batch": batch,
                        "warmups": data.draw(st.sampled_from((0, 1, 3)), label="warmups"),
                        "share": data.draw(st.booleans(), label="share")})
@@ -127,7 +135,7 @@ def make_machine(c: Campaign):
 
         def _replay(self, data, poison: bool):
             size = data.draw(st.sampled_from(sorted(self.captured)), label="size")
-            batch = data.draw(batch_draws(self.cfg, size), label="batch")
+            batch = data.draw(self._batches(size), label="batch")
             self._run({"op": "replay", "size": size, "batch": batch, "poison": poison})
 
         @rule(data=st.data())
@@ -147,7 +155,7 @@ def make_machine(c: Campaign):
         @rule(data=st.data())
         def eager(self, data):
             cfg = self.cfg
-            batch = data.draw(batch_draws(cfg, cfg.max_batch), label="batch")
+            batch = data.draw(self._batches(cfg.max_batch), label="batch")
             pads = [None] + [s for s in cfg.capture_sizes if s >= len(batch["seq_lens"])]
             self._run({"op": "eager", "batch": batch, "pad_to": data.draw(st.sampled_from(pads), label="pad_to"),
                        "poison": data.draw(st.booleans(), label="poison")})

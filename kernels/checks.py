@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .config import interpreting
+from .config import interpreter_release_semantics, interpreting
 
 __all__ = ["describe", "check_tensor", "check_device"]
 
@@ -43,9 +43,11 @@ def check_tensor(name: str, t, *, dtypes: Sequence[torch.dtype], shape: Optional
 
 def check_device(device: torch.device, **tensors) -> None:
     """All tensors on ``device``; CUDA, or CPU only under the Triton interpreter."""
-    if device.type == "cpu" and not interpreting():
-        raise ValueError("the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
-                         "before triton is imported")
+    if device.type == "cpu":
+        if not interpreting():
+            raise ValueError("the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
+                             "before triton is imported")
+        interpreter_release_semantics()
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"tensors must be on CUDA (or CPU under the interpreter), got {device}")
     for name, t in tensors.items():

@@ -18,8 +18,25 @@ Outputs (all int32, written in place, read by the decode and combine kernels):
   (only requests with >= 2 pieces use it: a single piece is written straight to the
   output). Rows used: at most ``2 * (num_parts - 1)`` (``DecodeConfig.partial_capacity``).
 
-One program, no host sync, grid ``(1,)`` whatever the batch: the planner lives inside a
-captured CUDA graph and re-plans on every replay from the then-current ``cache_seqlens``.
+Grid (no host sync; its size depends only on ``B`` and ``num_parts``, so one captured CUDA
+graph re-plans on every replay from the then-current ``cache_seqlens``): one launch of
+independent programs of two roles, none waiting on another, so the latency is that of one
+short program whatever the batch:
+
+- ``cdiv(num_parts + 1, BLOCK_P)`` *part programs*, one per chunk of ``part_info`` rows;
+- ``cdiv(B, BLOCK_B)`` *request programs*, one per chunk of requests, writing their
+  ``num_splits`` / ``split_offsets``.
+
+Part ``q`` starts at global tile ``G_q = q * total // P_eff``. A part program finds the
+request holding each of its ``G_q`` by comparing them with the requests' inclusive tile
+prefix sums (a ``[BLOCK_P, BLOCK_B]`` tile: the requests ending at or before ``G_q``); a
+request program counts the cuts inside each request in closed form (the parts starting at
+or before tile ``x`` number ``cdiv((x + 1) * P_eff, total)``), then prefix-sums the rows
+of split requests. Every program recomputes the batch total (hence ``P_eff``) from the seq lens itself: ``B``
+int32 loads, far cheaper than any inter-program hand-off. A batch of up to ``BLOCK_B``
+(1024) requests is one chunk, held in registers and loaded once; longer batches loop over
+chunks (a request program also re-derives the pieces of the requests before its chunk, for
+its first partial-buffer row).
 
 Extension point (sparse top-k decode, a later issue): a request's work is just "a count
 of key tiles"; for sparse decode that count becomes ``ceil(topk_length / block_n)`` per
@@ -37,77 +54,121 @@ from .config import next_pow2
 __all__ = ["launch_planner", "plan_reference"]
 
 
-@triton.jit
-def _tiles_of(seq_ptr, offs, B, BLOCK_N: tl.constexpr):
-    lens = tl.load(seq_ptr + offs, mask=offs < B, other=0)
-    lens = tl.maximum(lens, 0)
-    return (lens + BLOCK_N - 1) // BLOCK_N
-
-
-@triton.jit
-def _cdiv64(a, b):
-    return (a.to(tl.int64) + b - 1) // b
+# Chunk caps (module-level so tests can shrink them to exercise the multi-chunk paths with
+# small batches). 1024 seq lens fit one chunk: every batch size the decode is tuned for is
+# planned without loops over the batch.
+_MAX_BLOCK_B = 1024
+_MAX_BLOCK_P = 32
 
 
 @triton.jit
 def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
-                    NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr,
-                    BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
-    offs_b0 = tl.arange(0, BLOCK_B)
-    # pass 1: total tiles of the batch
-    total = 0
-    for b0 in range(0, B, BLOCK_B):
-        total += tl.sum(_tiles_of(seq_ptr, b0 + offs_b0, B, BLOCK_N), axis=0)
+                    NUM_PARTS: tl.constexpr, PART_PROGS: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    # No nested jit helpers: under TRITON_INTERPRET=1 every nested call re-patches the
+    # interpreter (milliseconds each), paid per program of every test example.
+    #
+    # Divisions: q = n // d with d fixed per program is an fp64 estimate n * (1 / d) plus one
+    # correction step, instead of int64 `//` (a called subroutine per element on the GPU).
+    # Exact: every n here is < 2**53 (tiles < 2**31 times parts), so it converts exactly,
+    # and the estimate's relative error ~2**-52 times a quotient < 2**31 is off by < 1.
+    pid = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    # Every program derives the batch total itself (no inter-program hand-off). The first
+    # chunk's tiles stay in registers for the loops below: a one-chunk batch is loaded once.
+    lens = tl.load(seq_ptr + offs_b, mask=offs_b < B, other=0)
+    tiles = (tl.maximum(lens, 0) + BLOCK_N - 1) // BLOCK_N
+    total = tl.sum(tiles, axis=0)
+    for b0 in range(BLOCK_B, B, BLOCK_B):
+        lens_x = tl.load(seq_ptr + b0 + offs_b, mask=(b0 + offs_b) < B, other=0)
+        total += tl.sum((tl.maximum(lens_x, 0) + BLOCK_N - 1) // BLOCK_N, axis=0)
     parts_eff = tl.maximum(tl.minimum(NUM_PARTS, total // MIN_TILES), 1)
-    # Part q starts at global tile G_q = q * total // P_eff, so "how many parts start at or
-    # before tile x" has a closed form, cdiv((x + 1) * P_eff, total), used below instead of
-    # comparing every part with every cut. int64: total * P_eff can pass 2**31.
+    # int64: total * P_eff can pass 2**31
     total64 = tl.maximum(total, 1).to(tl.int64)
     peff64 = parts_eff.to(tl.int64)
-
-    # pass 2, in chunks of parts: the request holding each part's start tile = the number
-    # of requests ending at or before it (empty requests before it count too: skipped)
-    for p0 in range(0, NUM_PARTS + 1, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        g = (p.to(tl.int64) * total.to(tl.int64) // peff64).to(tl.int32)
-        g = tl.where(p <= parts_eff, g, total)
+    inv_total = 1.0 / total64.to(tl.float64)
+    carry = total * 0  # tiles of the chunks already walked
+    if pid < PART_PROGS:
+        # ---- part program: part_info rows [pid * BLOCK_P, (pid + 1) * BLOCK_P)
+        p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+        # start tile G_p = p * total // P_eff
+        num = p.to(tl.int64) * total
+        g64 = (num.to(tl.float64) * (1.0 / peff64.to(tl.float64))).to(tl.int64)
+        rem = num - g64 * peff64
+        g64 = tl.where(rem >= peff64, g64 + 1, tl.where(rem < 0, g64 - 1, g64))
+        g = tl.where(p <= parts_eff, g64.to(tl.int32), total)
+        # the request holding G_p = the requests ending at or before it (empty requests before
+        # it count too: skipped); `before` = their tiles, i.e. G_p minus the start tile
         count = tl.zeros([BLOCK_P], dtype=tl.int32)
         before = tl.zeros([BLOCK_P], dtype=tl.int32)
-        carry = 0
         for b0 in range(0, B, BLOCK_B):
-            tiles = _tiles_of(seq_ptr, b0 + offs_b0, B, BLOCK_N)
-            incl = tl.cumsum(tiles, axis=0) + carry
-            ends_before = (incl[None, :] <= g[:, None]) & ((b0 + offs_b0) < B)[None, :]
+            incl_p = tl.cumsum(tiles, axis=0) + carry
+            ends_before = (incl_p[None, :] <= g[:, None]) & ((b0 + offs_b) < B)[None, :]
             count += tl.sum(ends_before.to(tl.int32), axis=1)
             before += tl.sum(tl.where(ends_before, tiles[None, :], 0), axis=1)
             carry += tl.sum(tiles, axis=0)
+            # next chunk (every lane masked off after the last one: no memory traffic)
+            nxt = b0 + BLOCK_B + offs_b
+            lens = tl.load(seq_ptr + nxt, mask=nxt < B, other=0)
+            tiles = (tl.maximum(lens, 0) + BLOCK_N - 1) // BLOCK_N
         start_tile = g - before
         live = p < parts_eff
         inner = live & (start_tile > 0)  # a cut strictly inside a request starts a new piece
-        # piece index = parts q <= p starting inside this request = p + 1 - #(G_q <= its first tile)
-        first_split = p + 1 - _cdiv64((before.to(tl.int64) + 1) * peff64, total64).to(tl.int32)
-        first_split = tl.where(inner, first_split, 0)
+        # The parts starting at or before tile x number cdiv((x + 1) * P_eff, total), so the
+        # piece index of part p (the parts q <= p starting inside its request) is
+        # p + 1 - #(G_q <= the request's first tile).
+        num = (before.to(tl.int64) + 1) * peff64 + total64 - 1
+        q = (num.to(tl.float64) * inv_total).to(tl.int64)
+        rem = num - q * total64
+        q = tl.where(rem >= total64, q + 1, tl.where(rem < 0, q - 1, q))
+        first_split = tl.where(inner, p + 1 - q.to(tl.int32), 0)
         row_ok = p <= NUM_PARTS
         tl.store(part_ptr + p * 3 + 0, tl.where(p <= parts_eff, count, B), mask=row_ok)
         tl.store(part_ptr + p * 3 + 1, tl.where(live, start_tile, 0), mask=row_ok)
         tl.store(part_ptr + p * 3 + 2, first_split, mask=row_ok)
+    else:
+        # ---- request program: num_splits / split_offsets of requests [r0, r0 + BLOCK_B).
+        # Pieces = 1 + the part starts strictly inside the request, i.e. in tiles
+        # [first + 1, last]: cdiv(incl * P_eff, total) - cdiv((excl + 1) * P_eff, total).
+        # The chunks before r0 are walked too: their split requests' rows come first.
+        r0 = (pid - PART_PROGS) * BLOCK_B
+        off_carry = total * 0
+        nsplit = tl.zeros([BLOCK_B], dtype=tl.int32)
+        rows = tl.zeros([BLOCK_B], dtype=tl.int32)
+        for b0 in range(0, r0 + 1, BLOCK_B):
+            incl = (tl.cumsum(tiles, axis=0) + carry).to(tl.int64)
+            hi = incl * peff64 + total64 - 1
+            q_hi = (hi.to(tl.float64) * inv_total).to(tl.int64)
+            rem = hi - q_hi * total64
+            q_hi = tl.where(rem >= total64, q_hi + 1, tl.where(rem < 0, q_hi - 1, q_hi))
+            lo = (incl - tiles + 1) * peff64 + total64 - 1
+            q_lo = (lo.to(tl.float64) * inv_total).to(tl.int64)
+            rem = lo - q_lo * total64
+            q_lo = tl.where(rem >= total64, q_lo + 1, tl.where(rem < 0, q_lo - 1, q_lo))
+            nsplit = tl.where(tiles > 0, 1 + (q_hi - q_lo).to(tl.int32), 0)
+            used = tl.where(nsplit > 1, nsplit, 0)  # a single piece goes straight to the output
+            rows = tl.cumsum(used, axis=0) - used + off_carry
+            carry += tl.sum(tiles, axis=0)
+            off_carry += tl.sum(used, axis=0)
+            nxt = b0 + BLOCK_B + offs_b
+            lens = tl.load(seq_ptr + nxt, mask=nxt < B, other=0)
+            tiles = (tl.maximum(lens, 0) + BLOCK_N - 1) // BLOCK_N
+        own = r0 + offs_b
+        tl.store(nsplit_ptr + own, nsplit, mask=own < B)
+        tl.store(off_ptr + own, rows, mask=own < B)
 
-    # pass 3: pieces per request (1 + cuts strictly inside it) and their partial-buffer rows
-    carry = 0
-    off_carry = 0
-    for b0 in range(0, B, BLOCK_B):
-        offs_b = b0 + offs_b0
-        tiles = _tiles_of(seq_ptr, offs_b, B, BLOCK_N)
-        incl = tl.cumsum(tiles, axis=0) + carry
-        excl = incl - tiles
-        cuts = _cdiv64(incl.to(tl.int64) * peff64, total64) - _cdiv64((excl.to(tl.int64) + 1) * peff64, total64)
-        nsplit = tl.where(tiles > 0, 1 + cuts.to(tl.int32), 0)
-        used = tl.where(nsplit > 1, nsplit, 0)
-        rows = tl.cumsum(used, axis=0) - used + off_carry
-        tl.store(nsplit_ptr + offs_b, nsplit, mask=offs_b < B)
-        tl.store(off_ptr + offs_b, rows, mask=offs_b < B)
-        carry += tl.sum(tiles, axis=0)
-        off_carry += tl.sum(used, axis=0)
+
+def _launch_shape(B: int, num_parts: int) -> tuple:
+    """``(BLOCK_B, BLOCK_P, part programs, request programs, num_warps)`` for a batch of B."""
+    block_b = min(max(next_pow2(B), 16), _MAX_BLOCK_B)
+    # Little work per program: one warp keeps every reduction and scan in shuffles (no
+    # shared-memory round trips) while a chunk is small; wider chunks get more warps so a
+    # thread holds ~16 elements of the [BLOCK_P, BLOCK_B] comparison tile.
+    num_warps = 1 if block_b <= 64 else (2 if block_b <= 256 else 4)
+    block_p = max(2, min(512 * num_warps // block_b, _MAX_BLOCK_P, next_pow2(num_parts + 1)))
+    part_progs = triton.cdiv(num_parts + 1, block_p)
+    req_progs = triton.cdiv(B, block_b)
+    return block_b, block_p, part_progs, req_progs, num_warps
 
 
 def launch_planner(cache_seqlens: torch.Tensor, part_info: torch.Tensor, num_splits: torch.Tensor,
@@ -122,12 +183,11 @@ def launch_planner(cache_seqlens: torch.Tensor, part_info: torch.Tensor, num_spl
     if B == 0:
         return  # nothing to plan: the decode and combine launch nothing for an empty batch
     num_parts = part_info.shape[0] - 1
-    # [BLOCK_P, BLOCK_B] comparison tiles of <= 4096 elements: no register spills
-    block_b = min(max(next_pow2(B), 16), 128)
-    block_p = min(max(next_pow2(num_parts + 1), 16), 4096 // block_b)
-    _planner_kernel[(1,)](cache_seqlens, part_info, num_splits, split_offsets, B,
-                          NUM_PARTS=num_parts, BLOCK_P=block_p, BLOCK_B=block_b,
-                          BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, num_warps=4)
+    block_b, block_p, part_progs, req_progs, num_warps = _launch_shape(B, num_parts)
+    _planner_kernel[(part_progs + req_progs,)](
+        cache_seqlens, part_info, num_splits, split_offsets, B,
+        NUM_PARTS=num_parts, PART_PROGS=part_progs, BLOCK_P=block_p, BLOCK_B=block_b,
+        BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, num_warps=num_warps)
 
 
 def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_per_part: int):

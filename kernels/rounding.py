@@ -54,6 +54,10 @@ def bf16_rne(x):
 def to_out(x, OUT_TY: tl.constexpr):
     """fp32 -> the output dtype with round-half-even, as torch's ``.to()`` does."""
     if OUT_TY == tl.bfloat16:
-        return bf16_rne(x)
+        # bf16_rne's body, inlined: this runs once per program and request, and under the
+        # interpreter every nested jit call costs milliseconds of re-patching
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return (rounded & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(OUT_TY)

@@ -10,7 +10,12 @@ purpose, only on some inputs, so the fuzzer has to find them:
 - ``AbortLongBackend``: ``os.abort()`` when a real row has ``seq_len >= 20`` (never in
   Hypothesis' first, minimal scenario, so the crash comes mid-scenario);
 - ``HangBackend``: sleeps for an hour on the same inputs (a hang);
-- ``SlowBackend``: clean but every forward sleeps, for interrupting a running campaign.
+- ``SlowBackend``: clean but every forward sleeps, for interrupting a running campaign;
+- ``AbortOnceBackend``: as ``AbortBackend``, but only while the file named by
+  ``$MLA_FUZZ_TEST_MARKER`` does not exist (it creates it just before aborting): a worker
+  death that a later replay does not reproduce, like a neighbour's GPU fault under MPS;
+- ``EnvProbeBackend``: clean; appends ``$CUDA_MPS_PIPE_DIRECTORY`` of its process to the
+  file named by ``$MLA_FUZZ_TEST_ENVLOG`` (which environment did the worker get?).
 """
 from __future__ import annotations
 
@@ -86,3 +91,23 @@ class SlowBackend(RefBackend):
 
     def check(self, metadata) -> None:
         time.sleep(0.05)
+
+
+class AbortOnceBackend(RefBackend):
+    name = "abort-once"
+
+    def check(self, metadata) -> None:
+        marker = os.environ["MLA_FUZZ_TEST_MARKER"]
+        if self.empty_real_row(metadata) and not os.path.exists(marker):
+            with open(marker, "w") as fh:
+                fh.write("aborted once\n")
+            os.abort()
+
+
+class EnvProbeBackend(RefBackend):
+    name = "env-probe"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        with open(os.environ["MLA_FUZZ_TEST_ENVLOG"], "a") as fh:
+            fh.write(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "<unset>") + "\n")

@@ -42,3 +42,15 @@ def pytest_collection_modifyitems(config, items):
 def cuda_device():
     """The CUDA device for `gpu` tests."""
     return torch.device("cuda")
+
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """Worker processes (and this one) can import ``cli_fakes``: the tests' directory goes
+    first on ``PYTHONPATH`` and ``sys.path``."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS_DIR] + parts))
+    monkeypatch.syspath_prepend(TESTS_DIR)

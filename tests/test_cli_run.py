@@ -5,23 +5,10 @@ makes the reference backend's host reads during capture a real ``host-sync`` fin
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-
-import pytest
 
 from harness import cli
 from harness.repro import load_repro
-
-TESTS = str(Path(__file__).resolve().parent)
-
-
-@pytest.fixture
-def fakes(monkeypatch):
-    """Workers can import ``cli_fakes``."""
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS] + parts))
-    monkeypatch.syspath_prepend(TESTS)
 
 
 def _run(argv, capsys):

@@ -205,6 +205,12 @@ def test_worker_envs_gpu(monkeypatch):
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2", "3"]
     envs = worker_envs(6, "cuda", device_count=4, cpu_count=64)
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2", "3", "0", "1"]
+    # GPU workers run one intra-op thread each, whatever the core count
+    assert all(e["MLA_FUZZ_TORCH_THREADS"] == "1" for e in envs)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert all(e["OMP_NUM_THREADS"] == "1" for e in worker_envs(2, "cuda", device_count=1, cpu_count=64))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert all("OMP_NUM_THREADS" not in e for e in worker_envs(2, "cuda", device_count=1, cpu_count=64))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
     envs = worker_envs("auto", "cuda", device_count=2, cpu_count=64)
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["5", "7"]

@@ -14,10 +14,11 @@ from kernels import DecodeConfig, SchedState
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
 
 # small launch configs that force splits (few parts, 1 tile each minimum) or none
-# (and both FP8 load paths: register prefetch on/off)
-_CPU_CONFIGS = [DecodeConfig(block_m=16, block_n=16, num_parts=p, min_tiles_per_part=m, num_stages=1,
+# (and the FP8 load variants: register prefetch, plain loads, twin loads with num_stages >= 2)
+_CPU_CONFIGS = [DecodeConfig(block_m=16, block_n=16, num_parts=p, min_tiles_per_part=m, num_stages=st,
                              fp8_prefetch=pf)
-                for p, m, pf in ((1, 1, True), (3, 1, False), (5, 2, True), (7, 1, False))]
+                for p, m, st, pf in ((1, 1, 1, True), (3, 1, 1, False), (5, 2, 1, True), (7, 1, 1, False),
+                                     (4, 1, 2, False))]
 
 
 @st.composite
@@ -57,6 +58,66 @@ def test_decode_non_causal_and_scale_interpreter():
         ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                  q_lens=case.q_lens, causal=causal, softmax_scale=0.3)
         assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what=f"causal={causal}")
+
+
+def _zero_scales(case, spec, b, first, last):
+    """Zero the FP8 scale words of request b's keys first..last-1 in place (all-zero groups)."""
+    rank, groups = spec.kv_lora_rank, spec.kv_lora_rank // spec.fp8_group
+    for t in range(first, last):
+        slot = case.slot(b, t)
+        case.kv_cache[slot // case.page_size, slot % case.page_size, rank:rank + 4 * groups] = 0
+
+
+# (FP8_GROUPED_DOTS, FP8_TWIN_LOADS, num_stages, fp8_prefetch): every FP8 code path on the tiny spec
+# (the interpreter ignores num_stages; 2 selects the twin loads)
+_FP8_PATHS = {"grouped": (True, True, 1, False), "grouped-twin": (True, True, 2, False),
+              "grouped-prefetch": (True, True, 1, True),
+              "dequant": (False, True, 1, False), "dequant-prefetch": (False, True, 1, True)}
+
+
+@pytest.mark.parametrize("path", list(_FP8_PATHS))
+def test_decode_fp8_paths_interpreter(path, monkeypatch):
+    """Each FP8 path against the reference on the edges: 3 x 12 = 36 query rows (row blocks
+    of 16 straddle tokens and end part-full), requests split across parts, an empty request,
+    a 1-key one, and keys whose scale words are all zero."""
+    import kernels.decode_split as ds
+    grouped, twin, stages, prefetch = _FP8_PATHS[path]
+    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
+    monkeypatch.setattr(ds, "FP8_TWIN_LOADS", twin)
+    spec = ModelSpec.tiny(num_heads=12)
+    assert ds.fp8_grouped_dots(spec.kv_lora_rank, spec.fp8_group) == grouped
+    case = make_case(spec, seq_lens=[37, 0, 70, 1, 16], q_lens=[3, 0, 2, 1, 3], s_q=3, page_size=4,
+                     kv_dtype="fp8", seed=5)
+    _zero_scales(case, spec, 0, 5, 21)
+    _zero_scales(case, spec, 4, 0, 16)  # every key of request 4
+    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=5, min_tiles_per_part=1, num_stages=stages,
+                       fp8_prefetch=prefetch)
+    for q_dtype in (torch.bfloat16, torch.float32):
+        q = case.q.to(q_dtype)
+        out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                      q_lens=case.q_lens, config=cfg)
+        ref_out, ref_lse = mla_ref.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                              q_lens=case.q_lens)
+        assert_decode_close(out, lse, ref_out, ref_lse, tol=TOL_INTERP[q_dtype], what=f"{path} {q_dtype}")
+
+
+@pytest.mark.parametrize("group", [8, 32, 64])
+def test_decode_fp8_group_counts_interpreter(group, monkeypatch):
+    """Rank 64 in 8 groups (dequantise path), 2 and 1 groups (grouped-dot path with a scale
+    word shared by quarters). 2 and 1 groups give tokens that are not 16-byte multiples,
+    which check_spec_supported refuses for the GPU; the interpreter has no such limit."""
+    import kernels.decode as kdecode
+    import kernels.decode_split as ds
+    monkeypatch.setattr(kdecode, "check_spec_supported", lambda spec: None)
+    spec = ModelSpec(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_heads=3,
+                     q_lora_rank=48, hidden=64, fp8_group=group)
+    assert ds.fp8_grouped_dots(64, group) == (group != 8)
+    case = make_case(spec, seq_lens=[40, 9], q_lens=[2, 1], s_q=2, page_size=8, kv_dtype="fp8", seed=9)
+    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=2)
+    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what=f"group {group}")
 
 
 def test_sched_state_is_lazy_and_reused():
@@ -146,17 +207,24 @@ def test_decode_long_split_gpu(kv):
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=kv)
 
 
-# the FP8 load paths of the default configs (checked on an H200 before they became defaults)
-_GPU_FP8_VARIANTS = [(16, 1, DecodeConfig(block_m=16, block_n=64, num_warps=8, num_stages=st, num_parts=132,
-                                          fp8_prefetch=pf)) for st, pf in ((1, True), (2, False))] + \
+# the FP8 load paths of the default configs (checked on an H200 before they became defaults),
+# plus the grouped-dot twin loads (num_stages >= 2, block_m <= 32) at the shapes it may be tuned to
+_GPU_FP8_VARIANTS = [(16, 1, DecodeConfig(block_m=16, block_n=bn, num_warps=8, num_stages=st, num_parts=132,
+                                          fp8_prefetch=pf)) for bn, st, pf in ((64, 1, True), (64, 2, False),
+                                                                               (32, 3, False))] + \
+                    [(16, 2, DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, num_parts=132))] + \
                     [(128, 2, DecodeConfig(block_m=64, block_n=bn, num_warps=8, num_stages=st, num_parts=33,
                                            fp8_prefetch=pf)) for bn, st, pf in ((64, 2, False), (32, 1, True))]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dequant"])
 @pytest.mark.parametrize("heads,s_q,cfg", _GPU_FP8_VARIANTS)
-def test_decode_fp8_load_paths_gpu(heads, s_q, cfg):
-    """Every FP8 load path the benchmark may pick is checked against the reference."""
+def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, monkeypatch):
+    """Every FP8 load path the benchmark may pick is checked against the reference, on both
+    FP8 paths (kernels.decode_split.FP8_GROUPED_DOTS)."""
+    import kernels.decode_split as ds
+    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
     spec = ModelSpec(num_heads=heads)
     case = make_case(spec, seq_lens=[1500, 0, 64, 333], q_lens=[s_q, 0, 1, s_q], s_q=s_q, page_size=64,
                      kv_dtype="fp8", seed=11, device="cuda")
@@ -164,3 +232,18 @@ def test_decode_fp8_load_paths_gpu(heads, s_q, cfg):
                                   q_lens=case.q_lens, config=cfg)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=str(cfg))
+
+
+def test_fp8_grouped_path_only_for_small_row_blocks():
+    """64-row blocks (h=128) keep the dequantise path: the grouped one spills there (module
+    doc of kernels.decode_split); the choice follows the row block, not the spec alone."""
+    import kernels.decode_split as ds
+    assert ds.fp8_grouped_dots(512, 128, 16) and ds.fp8_grouped_dots(512, 128, 32)
+    assert not ds.fp8_grouped_dots(512, 128, 64) and not ds.fp8_grouped_dots(512, 128, 128)
+    spec = ModelSpec.tiny(num_heads=16)
+    case = make_case(spec, seq_lens=[50, 3], q_lens=[4, 2], s_q=4, page_size=16, kv_dtype="fp8", seed=3)
+    cfg = DecodeConfig(block_m=64, block_n=32, num_parts=3, min_tiles_per_part=1, num_stages=1)
+    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what="fp8 block_m 64")

@@ -2,12 +2,15 @@
 partial-buffer rows consistent, parts balanced."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kernels import DecodeConfig, ops, plan_reference
+from kernels import planner as planner_mod
 
 
 def run_planner(seq_lens, num_parts, block_n, min_tiles, device="cpu"):
@@ -95,13 +98,76 @@ def test_planner_covers_every_tile_once(seq_lens, num_parts, block_n, min_tiles)
     assert (info, nsplit, offsets) == ([list(r) for r in ref[0]], ref[1], ref[2])
 
 
+def assert_matches_reference(seq_lens, num_parts, block_n, min_tiles, got):
+    ref = plan_reference(seq_lens, num_parts=num_parts, block_n=block_n, min_tiles_per_part=min_tiles)
+    assert got == ([list(r) for r in ref[0]], ref[1], ref[2])
+
+
+@contextlib.contextmanager
+def small_chunks(block_b, block_p):
+    """Shrink the planner's chunk caps so small batches take the multi-chunk paths."""
+    saved = planner_mod._MAX_BLOCK_B, planner_mod._MAX_BLOCK_P
+    planner_mod._MAX_BLOCK_B, planner_mod._MAX_BLOCK_P = block_b, block_p
+    try:
+        yield
+    finally:
+        planner_mod._MAX_BLOCK_B, planner_mod._MAX_BLOCK_P = saved
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq_lens=st.lists(st.one_of(st.sampled_from([0, 1, 16, 17]), st.integers(0, 300)),
+                         min_size=1, max_size=60),
+       num_parts=st.integers(1, 12), block_n=st.sampled_from([16, 64]), min_tiles=st.integers(1, 3),
+       caps=st.sampled_from([(16, 2), (16, 4), (32, 8)]))
+# split requests in an earlier request chunk shift a later chunk's partial-buffer rows
+@example(seq_lens=[0] * 15 + [17, 0], num_parts=2, block_n=16, min_tiles=1, caps=(16, 2))
+@example(seq_lens=[40] * 37, num_parts=5, block_n=16, min_tiles=1, caps=(16, 2))
+def test_planner_multi_chunk_matches_reference(seq_lens, num_parts, block_n, min_tiles, caps):
+    """Batches longer than one request chunk (a multiple of it or not) and more part_info
+    rows than one part chunk: the carries between chunks and the per-program totals."""
+    with small_chunks(*caps):
+        got = run_planner(seq_lens, num_parts, block_n, min_tiles)
+    assert_matches_reference(seq_lens, num_parts, block_n, min_tiles, got)
+
+
+@pytest.mark.parametrize("case", ["one", "one_empty", "all_empty", "one_chunk_1000", "three_chunks_2500",
+                                  "int64_products", "total_near_int32_max"])
+def test_planner_edges_match_reference(case):
+    """B = 1, empty batches, one request chunk of 1000 and several (2500), and products
+    total * P_eff past 2**31 (the kernel's exact fp64-reciprocal divisions)."""
+    g = torch.Generator().manual_seed(5)
+    num_parts, block_n, min_tiles = 132, 64, 2
+    if case == "one":
+        seq = [16000]
+    elif case == "one_empty":
+        seq = [0]
+    elif case == "all_empty":
+        seq = [0] * 37
+    elif case == "one_chunk_1000":
+        seq = torch.randint(0, 16384, (1000,), generator=g).tolist()
+    elif case == "three_chunks_2500":
+        seq = torch.randint(0, 3000, (2500,), generator=g).tolist()
+        seq[::37] = [0] * len(seq[::37])
+    elif case == "int64_products":  # 26M tiles * 132 parts
+        seq = [1 << 24] * 100
+        seq[3] = 5
+    else:  # ~2**31 - 2**24 tiles, odd remainders
+        seq = [1 << 30] * 126 + [12345, 7, (1 << 30) - 1]
+    got = run_planner(seq, num_parts, block_n, min_tiles)
+    if case not in ("int64_products", "total_near_int32_max"):  # too many tiles for check_plan's walk
+        check_plan(seq, num_parts, block_n, min_tiles, *got)
+    assert_matches_reference(seq, num_parts, block_n, min_tiles, got)
+
+
 def test_planner_large_batch_chunks():
-    """More requests than one planner chunk (256): the carries between chunks must hold."""
+    """More requests than one planner chunk, with small parts counts."""
     g = torch.Generator().manual_seed(5)
     seq = torch.randint(0, 3000, (700,), generator=g).tolist()
     seq[::37] = [0] * len(seq[::37])
-    info, nsplit, offsets = run_planner(seq, 40, 64, 2)
-    check_plan(seq, 40, 64, 2, info, nsplit, offsets)
+    with small_chunks(256, 32):
+        got = run_planner(seq, 40, 64, 2)
+    check_plan(seq, 40, 64, 2, *got)
+    assert_matches_reference(seq, 40, 64, 2, got)
 
 
 def test_planner_rejects_bad_buffers():
@@ -119,10 +185,12 @@ def test_planner_rejects_bad_buffers():
 @pytest.mark.gpu
 def test_planner_covers_every_tile_once_gpu():
     g = torch.Generator().manual_seed(11)
-    for trial in range(20):
-        B = int(torch.randint(1, 300, (1,), generator=g))
+    for trial in range(24):
+        # B up to 2500: one request chunk (1024) and several
+        B = int(torch.randint(1, 300, (1,), generator=g)) if trial < 16 else [1000, 1024, 1025, 2500][trial % 4]
         seq = torch.randint(0, 20000, (B,), generator=g)
         seq[torch.rand(B, generator=g) < 0.2] = 0
         P = [1, 7, 132, 264][trial % 4]  # num_parts is a compile-time constant: few distinct values
         info, nsplit, offsets = run_planner(seq.tolist(), P, 64, 2, device="cuda")
         check_plan(seq.tolist(), P, 64, 2, info, nsplit, offsets)
+        assert_matches_reference(seq.tolist(), P, 64, 2, (info, nsplit, offsets))

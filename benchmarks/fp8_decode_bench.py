@@ -1,0 +1,272 @@
+"""FP8 split-KV decode: the grouped-dot path against the dequantise path (GPU only).
+
+``kernels.decode_split`` has two FP8 paths, picked by module switches read at every launch:
+
+- ``dequant``: e4m3 -> fp32 times the group scale via a ``[BLOCK_N, groups, GROUP]`` view,
+  cast to bf16, then the dots (``FP8_GROUPED_DOTS = False``; the path before the change);
+- ``grouped``: codes -> bf16 straight into per-quarter dots, group scales applied to the dot
+  results and to P (``FP8_GROUPED_DOTS = True``), with *twin loads* where they apply
+  (``num_stages >= 2``, no ``fp8_prefetch``, ``block_m <= 32``);
+- ``grouped-single``: the grouped path with ``FP8_TWIN_LOADS = False`` (one synchronous load
+  per code tile), timed where twin loads would apply, to show what they are worth.
+
+Both run ``TritonMLABackend.forward`` (planner + decode + combine) captured in a CUDA graph,
+timed with ``triton.testing.do_bench`` (median, L2 flushed), via ``benchmarks/kernel_bench``'s
+``CachePool`` / ``run_case`` (DeepSeek-V3 dims, page 64, h = 16 query heads).
+
+1. Sweep (one representative case per s_q, ``--sweep-case``, default B=128 L=4096): launch
+   configs ``block_n in {32, 64, 128} x num_warps in {4, 8} x num_stages in {1, 2, 3}`` (plus
+   ``fp8_prefetch`` at ``num_stages = 1``) for ``grouped``; the shipped default and the
+   previously swept FP8 candidates (``kernel_bench.candidate_configs``) for ``dequant``; the
+   ``num_stages >= 2`` configs of ``block_n`` 32/64 with 8 warps for ``grouped-single``.
+   ``block_m`` follows the rows (16 for s_q=1, 32 for s_q=2), one persistent program per SM.
+2. Grid: ``s_q in {1, 2} x B in {32, 128} x L in {1k, 4k, 16k}`` for ``dequant`` and
+   ``grouped`` at the shipped ``default_config`` and at each one's sweep winner.
+
+Compiling ~60 kernel variants would take most of the time budget, so ``--jobs`` worker
+processes first compile them into Triton's on-disk cache (each runs one tiny case per
+config); the timing process then only loads them. Prints tables; ``--out`` writes JSON.
+Stops starting new measurements after ``--budget-s`` seconds (default 110).
+
+    python benchmarks/fp8_decode_bench.py --out benchmarks/results/<gpu>-<date>-fp8-decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_HERE, ".."))
+sys.path.insert(0, _HERE)
+
+import kernel_bench as kb  # noqa: E402
+from mla_ref import ModelSpec  # noqa: E402
+
+from kernels import DecodeConfig, default_config  # noqa: E402
+import kernels.decode_split as ds  # noqa: E402
+
+HEADS = 16
+VARIANTS = {  # module switches of kernels.decode_split per variant
+    "dequant": dict(FP8_GROUPED_DOTS=False, FP8_TWIN_LOADS=True),
+    "grouped": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True),
+    "grouped-single": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=False),
+}
+
+
+def set_variant(name: str) -> None:
+    for k, v in VARIANTS[name].items():
+        setattr(ds, k, v)
+
+
+def cfg_key(c: DecodeConfig) -> tuple:
+    return (c.block_m, c.block_n, c.num_warps, c.num_stages, c.num_parts, c.fp8_prefetch)
+
+
+def cfg_text(c: DecodeConfig) -> str:
+    return (f"bm{c.block_m} bn{c.block_n} w{c.num_warps} st{c.num_stages}"
+            f"{' pf' if c.fp8_prefetch else ''} parts{c.num_parts}")
+
+
+def make_cfg(rows: int, sms: int, bn: int, warps: int, stages: int, prefetch: bool) -> DecodeConfig:
+    bm = 16 if rows <= 16 else 32
+    m_blocks = -(-rows // bm)
+    return DecodeConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, fp8_prefetch=prefetch,
+                        num_parts=max(1, sms // m_blocks), min_tiles_per_part=2)
+
+
+def shipped_config(s_q: int) -> DecodeConfig:
+    return default_config(ModelSpec(num_heads=HEADS), s_q, torch.device("cuda"), fp8=True)
+
+
+def sweep_plan(s_q: int, sms: int) -> list[tuple[str, DecodeConfig]]:
+    """(variant, config) pairs swept for s_q, most promising first (the budget may cut the tail)."""
+    rows = HEADS * s_q
+    plan = [("dequant", shipped_config(s_q)), ("grouped", shipped_config(s_q))]
+    for bn in (32, 64, 128):
+        for warps in (8, 4):
+            for stages in (2, 3, 1):
+                plan.append(("grouped", make_cfg(rows, sms, bn, warps, stages, False)))
+                if stages == 1:
+                    plan.append(("grouped", make_cfg(rows, sms, bn, warps, 1, True)))
+    for bn in (32, 64):
+        for stages in (2, 3):
+            plan.append(("grouped-single", make_cfg(rows, sms, bn, 8, stages, False)))
+    for c in kb.candidate_configs(rows, sms, "fp8"):
+        plan.append(("dequant", c))
+    seen, out = set(), []
+    for v, c in plan:
+        if (v, cfg_key(c)) not in seen:
+            seen.add((v, cfg_key(c)))
+            out.append((v, c))
+    return out
+
+
+# --------------------------------------------------------------------------- precompile
+
+def _warm_worker(jobs: list[tuple[str, int, dict]]) -> list[str]:
+    """In a worker process: run one tiny case per (variant, s_q, config) so that Triton
+    compiles the kernels into its on-disk cache. Returns error lines."""
+    try:
+        spec = ModelSpec()
+        pool = kb.CachePool(spec, 2048)
+        gen = torch.Generator().manual_seed(0)
+    except Exception as e:
+        return [f"worker setup: {type(e).__name__}: {e}"[:300]]
+    errors = []
+    for variant, s_q, cfg in jobs:
+        set_variant(variant)
+        try:
+            kb.run_case(spec, pool, HEADS, s_q, 1, 1024, "fp8", DecodeConfig(**cfg), gen)
+        except Exception as e:  # OutOfResources etc.: the timing pass reports it again
+            errors.append(f"{variant} s_q={s_q} {cfg}: {type(e).__name__}: {e}"[:300])
+    return errors
+
+
+def precompile(items: list[tuple[str, int, DecodeConfig]], jobs: int) -> None:
+    import concurrent.futures as cf
+    import dataclasses
+    import multiprocessing as mp
+    payload = [(v, s_q, dataclasses.asdict(c)) for v, s_q, c in items]
+    chunks = [payload[i::jobs] for i in range(jobs)]
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+        for errs in ex.map(_warm_worker, [c for c in chunks if c]):
+            for e in errs:
+                print(f"# precompile: {e}", flush=True)
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON output path")
+    ap.add_argument("--sq", default="1,2")
+    ap.add_argument("--batch", default="32,128")
+    ap.add_argument("--lens", default="1024,4096,16384")
+    ap.add_argument("--sweep-case", default="128,4096", help="B,L of the sweep case")
+    ap.add_argument("--no-sweep", action="store_true", help="grid at the shipped default configs only")
+    ap.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                    help="precompile worker processes (0: compile lazily in this process)")
+    ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting measurements after this")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fp8_decode_bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    sqs = [int(x) for x in args.sq.split(",")]
+    batches = [int(x) for x in args.batch.split(",")]
+    lens = [int(x) for x in args.lens.split(",")]
+    sweep_B, sweep_L = (int(x) for x in args.sweep_case.split(","))
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+
+    plans = {s_q: ([] if args.no_sweep else sweep_plan(s_q, sms)) for s_q in sqs}
+    if args.jobs > 0:
+        items = [(v, s_q, c) for s_q in sqs for v, c in plans[s_q]]
+        items += [(v, s_q, shipped_config(s_q)) for s_q in sqs for v in ("dequant", "grouped")]
+        uniq = {(v, s_q, cfg_key(c)): (v, s_q, c) for v, s_q, c in items}
+        t0 = time.time()
+        try:
+            precompile(list(uniq.values()), args.jobs)
+        except Exception as e:  # the timing pass compiles whatever is missing
+            print(f"# precompile failed ({type(e).__name__}: {e}); compiling lazily", flush=True)
+        print(f"# precompiled {len(uniq)} variants with {args.jobs} workers in {time.time() - t0:.0f} s", flush=True)
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    copy_tbps = kb.measure_copy_tbps()
+    print(f"# {props.name} ({sms} SMs): copy {copy_tbps:.2f} TB/s (read+write); h={HEADS}, DeepSeek-V3 dims, FP8",
+          flush=True)
+    spec = ModelSpec()
+    pool = kb.CachePool(spec, max(batches + [sweep_B]) * max(lens + [sweep_L]))
+    skipped = 0
+
+    def measure(variant, s_q, B, L, cfg):
+        nonlocal skipped
+        if time.time() - t_start > args.budget_s:
+            skipped += 1
+            return None
+        set_variant(variant)
+        try:
+            t_ms, io, _ = kb.run_case(spec, pool, HEADS, s_q, B, L, "fp8", cfg, gen)
+        except Exception as e:  # e.g. OutOfResources: this config does not fit
+            print(f"  {variant:14s} {cfg_text(cfg)}: {type(e).__name__}: {e}"[:300], flush=True)
+            return math.inf
+        return dict(variant=variant, s_q=s_q, B=B, L=L, config=kb.cfg_dict(cfg), time_us=t_ms * 1e3,
+                    TBps=io / (t_ms * 1e-3) / 1e12, bw_ratio=io / (t_ms * 1e-3) / 1e12 / copy_tbps)
+
+    # 1. sweep
+    sweep_rows, best = [], {}
+    for s_q in sqs:
+        if not plans[s_q]:
+            continue
+        print(f"\n## sweep s_q={s_q} B={sweep_B} L={sweep_L}", flush=True)
+        print(f"  {'variant':14s} {'config':34s} {'time us':>9s} {'TB/s':>6s} {'of copy':>7s}", flush=True)
+        for variant, cfg in plans[s_q]:
+            r = measure(variant, s_q, sweep_B, sweep_L, cfg)
+            if not isinstance(r, dict):
+                continue
+            sweep_rows.append(r)
+            print(f"  {variant:14s} {cfg_text(cfg):34s} {r['time_us']:9.1f} {r['TBps']:6.2f} {r['bw_ratio']:7.0%}",
+                  flush=True)
+            fam = "dequant" if variant == "dequant" else "grouped"  # grouped-single competes with grouped
+            if (fam, s_q) not in best or r["time_us"] < best[(fam, s_q)][2]:
+                best[(fam, s_q)] = (variant, cfg, r["time_us"])
+
+    # 2. grid
+    results = []
+    print("\n## grid (speedup vs dequant at the shipped default config)", flush=True)
+    print(f"  {'s_q':>3s} {'B':>4s} {'L':>6s}  {'setting':30s} {'config':34s} {'time us':>9s} {'TB/s':>6s} "
+          f"{'of copy':>7s} {'speedup':>7s}", flush=True)
+    for s_q in sqs:
+        settings = [("dequant@default", "dequant", shipped_config(s_q)),
+                    ("grouped@default", "grouped", shipped_config(s_q))]
+        for fam in ("dequant", "grouped"):
+            if (fam, s_q) in best:
+                variant, cfg, _ = best[(fam, s_q)]
+                settings.append((f"{variant}@swept", variant, cfg))
+        for B in batches:
+            for L in lens:
+                base = None
+                for label, variant, cfg in settings:
+                    r = measure(variant, s_q, B, L, cfg)
+                    if not isinstance(r, dict):
+                        continue
+                    r["setting"] = label
+                    base = r["time_us"] if label == "dequant@default" else base
+                    r["speedup_vs_dequant_default"] = base / r["time_us"] if base else None
+                    results.append(r)
+                    sp = f"{r['speedup_vs_dequant_default']:6.2f}x" if base else "      -"
+                    print(f"  {s_q:3d} {B:4d} {L:6d}  {label:30s} {cfg_text(cfg):34s} {r['time_us']:9.1f} "
+                          f"{r['TBps']:6.2f} {r['bw_ratio']:7.0%} {sp}", flush=True)
+    if skipped:
+        print(f"# budget of {args.budget_s:.0f} s reached: {skipped} measurements skipped", flush=True)
+
+    summary = {f"{fam}/sq{s_q}": dict(variant=v, config=kb.cfg_dict(c), sweep_time_us=t)
+               for (fam, s_q), (v, c, t) in best.items()}
+    print("# best " + json.dumps(summary), flush=True)
+    doc = {
+        "gpu": props.name, "sms": sms, "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__, "triton": __import__("triton").__version__, "python": platform.python_version(),
+        "copy_TBps_read_plus_write": copy_tbps, "heads": HEADS, "sweep_case": [sweep_B, sweep_L],
+        "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
+        "variants": VARIANTS, "best": summary, "sweep": sweep_rows, "results": results,
+        "skipped_for_budget": skipped, "wall_s": time.time() - t_start,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(f"# wall {time.time() - t_start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

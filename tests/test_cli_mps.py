@@ -1,0 +1,122 @@
+"""``--mps``: the private MPS daemon's life cycle, the workers' environment, and the
+confirmation of crash repros found under MPS (a neighbour's fault must not become a repro).
+
+No GPU is needed: a fake ``nvidia-cuda-mps-control`` (a small script named by
+``MLA_FUZZ_MPS_CONTROL``) logs what it is asked, and the backends of ``cli_fakes`` run on
+CPU in eager mode, where the MPS variables are inert.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+from harness.campaign import CampaignOptions, CampaignRun, worker_envs
+from harness.mps import MpsDaemon, MpsError
+
+
+FAKE_CONTROL = """#!{python}
+import json, os, sys
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+log = {log!r}
+if sys.argv[1:] == ["-d"]:
+    open(os.path.join(pipe, "control"), "w").close()
+    event = {{"cmd": "start", "pipe": pipe, "log": os.environ["CUDA_MPS_LOG_DIRECTORY"]}}
+else:
+    cmd = sys.stdin.read().strip()
+    if cmd == "get_server_list":
+        sys.exit(0)  # no server started: no client connected
+    event = {{"cmd": cmd, "pipe": pipe}}
+with open(log, "a") as fh:
+    fh.write(json.dumps(event) + "\\n")
+"""
+
+
+@pytest.fixture
+def fake_control(tmp_path, monkeypatch):
+    log = tmp_path / "control.log"
+    script = tmp_path / "nvidia-cuda-mps-control"
+    script.write_text(FAKE_CONTROL.format(python=sys.executable, log=str(log)))
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("MLA_FUZZ_MPS_CONTROL", str(script))
+    return log
+
+
+def _events(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_daemon_starts_in_private_dirs_and_quits(fake_control):
+    d = MpsDaemon()
+    assert d.env() == {}
+    with d:
+        env = d.env()
+        assert os.path.isdir(env["CUDA_MPS_PIPE_DIRECTORY"]) and os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
+        root = os.path.dirname(env["CUDA_MPS_PIPE_DIRECTORY"])
+    start, quit_ = _events(fake_control)
+    assert start == {"cmd": "start", "pipe": env["CUDA_MPS_PIPE_DIRECTORY"], "log": env["CUDA_MPS_LOG_DIRECTORY"]}
+    assert quit_ == {"cmd": "quit", "pipe": env["CUDA_MPS_PIPE_DIRECTORY"]}
+    assert not os.path.exists(root) and d.env() == {}
+
+
+def test_missing_control_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLA_FUZZ_MPS_CONTROL", str(tmp_path / "absent"))
+    with pytest.raises(MpsError, match="nvidia-cuda-mps-control was not found"):
+        MpsDaemon()
+
+
+def test_failing_daemon_start_is_a_clear_error(tmp_path, monkeypatch):
+    bad = tmp_path / "ctl"
+    bad.write_text("#!/bin/sh\necho 'An instance of this daemon is already running' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    monkeypatch.setenv("MLA_FUZZ_MPS_CONTROL", str(bad))
+    with pytest.raises(MpsError, match="already running"):
+        MpsDaemon().start()
+
+
+def test_run_mps_needs_cuda_mode(capsys):
+    code = cli.main(["run", "--graph", "emulated", "--mps", "--examples", "1", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--mps" in err and "cuda" in err and "Traceback" not in err
+
+
+def _campaign(tmp_path, backend, examples, **kw):
+    opts = CampaignOptions(backend=backend, graph="eager", spec="tiny", budget_s=None, examples=examples, seed=0,
+                           corpus=tmp_path / "corpus", worker_envs=worker_envs(1, "eager", device_count=0),
+                           case_timeout=120.0, chunk=examples, mps=True, **kw)
+    return CampaignRun(opts).run(handle_sigint=False)
+
+
+def test_workers_get_the_daemon_env_and_it_is_stopped(tmp_path, fakes, fake_control, monkeypatch):
+    envlog = tmp_path / "env.log"
+    monkeypatch.setenv("MLA_FUZZ_TEST_ENVLOG", str(envlog))
+    res = _campaign(tmp_path, "cli_fakes:EnvProbeBackend", 2)
+    assert not res.findings and res.examples >= 2
+    start, quit_ = _events(fake_control)
+    seen = set(envlog.read_text().split())
+    assert seen == {start["pipe"]}, "every backend instance ran in a worker connected to the daemon"
+    assert quit_["cmd"] == "quit"
+
+
+def test_crash_that_does_not_replay_alone_is_moved_aside(tmp_path, fakes, fake_control, monkeypatch):
+    """A worker death under MPS whose scenario passes when replayed alone (without MPS) is
+    not reported as a finding; its repro is kept under unconfirmed/ and a warning says why."""
+    monkeypatch.setenv("MLA_FUZZ_TEST_MARKER", str(tmp_path / "marker"))
+    res = _campaign(tmp_path, "cli_fakes:AbortOnceBackend", 6)
+    assert (tmp_path / "marker").exists(), "the backend must have aborted once"
+    assert not res.findings and not res.failures
+    moved = list((tmp_path / "corpus" / "unconfirmed").glob("*.json"))
+    assert len(moved) == 1 and not list((tmp_path / "corpus").glob("*.json"))
+    assert any("passes when replayed alone without MPS" in w and str(moved[0]) in w for w in res.warnings)
+
+
+def test_crash_that_replays_alone_is_kept(tmp_path, fakes, fake_control):
+    res = _campaign(tmp_path, "cli_fakes:AbortBackend", 2)
+    (finding,) = res.findings.values()
+    assert finding.cls == "crash" and finding.path.exists()
+    assert not (tmp_path / "corpus" / "unconfirmed").exists()
