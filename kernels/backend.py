@@ -428,7 +428,7 @@ class TritonMLABackend:
         ops.decode_split(q, kv_cache, md.block_table, md.seq_lens, md.ctx_lens, md.ctx_width, md.part_info,
                          md.num_splits, md.split_offsets, out, lse, partial_o, partial_lse, spec.softmax_scale,
                          spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group, cfg.block_m, cfg.block_n,
-                         cfg.num_warps, cfg.num_stages, cfg.fp8_prefetch)
+                         cfg.num_warps, cfg.num_stages, cfg.fp8_prefetch, cfg.fp8_grouped)
 
     def _combine(self, md: TritonMLAMetadata, out, lse, partial_o, partial_lse) -> None:
         """Merge split rows and write 0 / -inf rows for requests without keys (all padded rows)."""

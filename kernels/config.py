@@ -137,6 +137,9 @@ class DecodeConfig:
     - ``combine_block_m``: rows per combine program.
     - ``fp8_prefetch``: FP8 caches only — the kernel loads tile ``i+1``'s bytes into
       registers while tile ``i`` is dequantised (use with ``num_stages=1``).
+    - ``fp8_grouped``: FP8 caches only — take the grouped-dot path of ``decode_split`` where
+      the spec and row block allow it (else the dequantise path); which one is faster
+      depends on the shape (``default_config``).
     """
 
     block_m: int = 16
@@ -147,6 +150,7 @@ class DecodeConfig:
     num_stages: int = 2
     combine_block_m: int = 16
     fp8_prefetch: bool = False
+    fp8_grouped: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "combine_block_m"):
@@ -190,8 +194,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     Triton 3.6): the row block follows the query rows per request (heads x MTP tokens) —
     16/32 rows for the memory-bound small-head case, 64 rows to feed the tensor cores when
     there are many heads; one persistent program per SM (``num_parts * m_blocks = SMs``)
-    beat two per SM in every swept case; FP8 caches take the grouped-dot path
-    (``decode_split``), with twin loads at 16 rows and a register prefetch at 32.
+    beat two per SM in every swept case; FP8 caches take the dequantise path with a
+    register prefetch at 16 rows and the grouped-dot path with a prefetch at 32 (1.4-1.5x
+    there); 64-row blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``).
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -210,10 +215,13 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
                             num_warps=4, num_stages=1, combine_block_m=block_m)
     rows = s_q * spec.num_heads
     prefetch = False
+    grouped = True
     if rows <= 16:
-        # FP8: the grouped-dot path with twin loads (decode_split) at 128-key tiles tied the
-        # best dequantise config; the bf16 choice is the dense sweep's
-        block_m, block_n, warps, stages = 16, 128, 8, 2
+        # FP8: the dequantise path with a register prefetch; the grouped-dot path was no
+        # faster here (H200: within +-5%, H100: 6% slower at B=128, L=16k; see
+        # benchmarks/results/h200-2026-11-26-fp8-decode.json, h100-2026-11-26-kernel.json)
+        block_m, block_n, warps, stages = (16, 64, 8, 1) if fp8 else (16, 128, 8, 2)
+        prefetch, grouped = fp8, False
     elif rows <= 32:
         # FP8: grouped dots + register prefetch, 1.4-1.5x the former default at s_q=2
         # (benchmarks/results/h200-2026-11-26-fp8-decode.json)
@@ -224,4 +232,5 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     return DecodeConfig(block_m=block_m, block_n=block_n, num_parts=parts, min_tiles_per_part=2,
-                        num_warps=warps, num_stages=stages, combine_block_m=16, fp8_prefetch=prefetch)
+                        num_warps=warps, num_stages=stages, combine_block_m=16, fp8_prefetch=prefetch,
+                        fp8_grouped=grouped)

@@ -200,6 +200,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     ops.decode_split(q, kv_cache, block_table, cache_seqlens, ctx, ctx_width, sched.part_info, sched.num_splits,
                      sched.split_offsets, out, lse, partial_o, partial_lse, scale, spec.kv_lora_rank,
                      spec.qk_rope_head_dim, spec.fp8_group, config.block_m, config.block_n, config.num_warps,
-                     config.num_stages, config.fp8_prefetch)
+                     config.num_stages, config.fp8_prefetch, config.fp8_grouped)
     ops.combine(partial_o, partial_lse, sched.num_splits, sched.split_offsets, out, lse, config.combine_block_m)
     return out, lse

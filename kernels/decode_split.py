@@ -400,7 +400,7 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
 def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                         split_offsets, out, lse, partial_o, partial_lse, *, softmax_scale: float, rank: int,
                         rope_dim: int, fp8_group: int, block_m: int, block_n: int, num_warps: int,
-                        num_stages: int, dot_f32: bool, fp8_prefetch: bool = True) -> None:
+                        num_stages: int, dot_f32: bool, fp8_prefetch: bool = True, fp8_grouped: bool = True) -> None:
     """Launch the decode (arguments checked by ``ops.decode_split``).
 
     Shapes: q ``[B, s_q, h, rank + rope]``; block_table int32 ``[B, max_blocks]``;
@@ -408,7 +408,8 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     part_info int32 ``[num_parts + 1, 3]``; num_splits / split_offsets int32 ``[B]``;
     out ``[B, s_q, h, rank]``; lse fp32 ``[B, h, s_q]``; partial_o fp32 ``[cap, s_q*h, rank]``;
     partial_lse fp32 ``[cap, s_q*h]``. FP8 caches take the grouped-dot path where
-    ``fp8_grouped_dots(rank, fp8_group, block_m)`` (module doc), else the dequantise path;
+    ``fp8_grouped`` (``DecodeConfig.fp8_grouped``) and ``fp8_grouped_dots(rank, fp8_group, block_m)``
+    (module doc), else the dequantise path;
     ``fp8_prefetch`` applies to both and is ignored for 16-bit caches.
     """
     B, s_q, h, _ = q.shape
@@ -416,7 +417,7 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     m_blocks = triton.cdiv(s_q * h, block_m)
     fp8 = kv_cache.dtype == torch.uint8
     prefetch = bool(fp8_prefetch) and fp8
-    grouped = fp8 and fp8_grouped_dots(rank, fp8_group, block_m)
+    grouped = fp8 and bool(fp8_grouped) and fp8_grouped_dots(rank, fp8_group, block_m)
     twin = grouped and not prefetch and num_stages >= 2 and block_m <= 32 and bool(FP8_TWIN_LOADS)
     page = kv_cache.shape[1]
     grid = (num_parts, m_blocks)

@@ -143,7 +143,7 @@ def decode_split(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                  split_offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, partial_o: torch.Tensor,
                  partial_lse: torch.Tensor, softmax_scale: float, rank: int, rope_dim: int, fp8_group: int,
                  block_m: int, block_n: int, num_warps: int, num_stages: int,
-                 fp8_prefetch: bool = False) -> None:
+                 fp8_prefetch: bool = False, fp8_grouped: bool = True) -> None:
     """Split-KV decode over the plan in ``part_info`` / ``num_splits`` / ``split_offsets``.
 
     Reads q ``[B, s_q, h, d_qk]``, the paged cache, block_table int32 ``[B, max_blocks]``,
@@ -160,13 +160,14 @@ def decode_split(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                         split_offsets, out, lse, partial_o, partial_lse, softmax_scale=softmax_scale, rank=rank,
                         rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n,
                         num_warps=num_warps, num_stages=num_stages,
-                        dot_f32=interpreting() or q.dtype == torch.float32, fp8_prefetch=fp8_prefetch)
+                        dot_f32=interpreting() or q.dtype == torch.float32, fp8_prefetch=fp8_prefetch,
+                        fp8_grouped=fp8_grouped)
 
 
 @decode_split.register_fake
 def _decode_split_fake(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                        split_offsets, out, lse, partial_o, partial_lse, softmax_scale, rank, rope_dim, fp8_group,
-                       block_m, block_n, num_warps, num_stages, fp8_prefetch=False) -> None:
+                       block_m, block_n, num_warps, num_stages, fp8_prefetch=False, fp8_grouped=True) -> None:
     _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                   split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group)
 

@@ -10,7 +10,7 @@ import mla_ref
 from mla_ref import ModelSpec
 
 import kernels
-from kernels import DecodeConfig, SchedState
+from kernels import DecodeConfig, SchedState, default_config
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
 
 # small launch configs that force splits (few parts, 1 tile each minimum) or none
@@ -247,3 +247,35 @@ def test_fp8_grouped_path_only_for_small_row_blocks():
                                   q_lens=case.q_lens, config=cfg)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what="fp8 block_m 64")
+
+
+def test_fp8_path_choice_follows_config(monkeypatch):
+    """``DecodeConfig.fp8_grouped`` picks the FP8 path per shape: the CUDA defaults take the
+    dequantise path at 16 rows (h=16, s_q=1) and the grouped one at 32 (s_q=2), and a config
+    with ``fp8_grouped=False`` still matches the reference (the launcher honours it)."""
+    import kernels.decode_split as ds
+    cuda = torch.device("cuda")
+    assert not default_config(ModelSpec(num_heads=16), 1, cuda, fp8=True).fp8_grouped
+    assert default_config(ModelSpec(num_heads=16), 2, cuda, fp8=True).fp8_grouped
+    seen = []
+    real = ds._decode_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["GROUPED"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ds, "_decode_split_kernel", Spy())
+    spec = ModelSpec.tiny(num_heads=4)
+    case = make_case(spec, seq_lens=[33, 7], q_lens=[2, 1], s_q=2, page_size=4, kv_dtype="fp8", seed=11)
+    for grouped in (False, True):
+        cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1,
+                           fp8_grouped=grouped)
+        out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                      q_lens=case.q_lens, config=cfg)
+        ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                 q_lens=case.q_lens)
+        assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what=f"fp8_grouped={grouped}")
+    assert seen == [False, True]
