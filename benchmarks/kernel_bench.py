@@ -109,6 +109,24 @@ def run_case(spec, pool, h, s_q, B, L, kv, config, gen):
     return t_ms, io_bytes, flops
 
 
+def roofline_ms(io_bytes: float, flops: float, copy_tbps: float, mm_tflops: float) -> float:
+    """The case's lower bound on this machine: ``max(bytes / copy_bw, flops / matmul_rate)``, ms."""
+    return max(io_bytes / (copy_tbps * 1e12), flops / (mm_tflops * 1e12)) * 1e3
+
+
+def case_record(fields: dict, t_ms: float, io_bytes: float, flops: float, copy_tbps: float,
+                mm_tflops: float) -> dict:
+    """One result row: ``fields`` (the case) plus time, effective TB/s and TFLOP/s, the
+    roofline bound ``max(bytes / copy_bw, flops / matmul_rate)`` and the ratios to them."""
+    roof_ms = roofline_ms(io_bytes, flops, copy_tbps, mm_tflops)
+    r = dict(fields, time_us=t_ms * 1e3, TBps=io_bytes / (t_ms * 1e-3) / 1e12,
+             TFLOPs=flops / (t_ms * 1e-3) / 1e12, roofline_us=roof_ms * 1e3)
+    r["bw_ratio"] = r["TBps"] / copy_tbps
+    r["flop_ratio"] = r["TFLOPs"] / mm_tflops
+    r["x_roofline"] = r["time_us"] / r["roofline_us"]
+    return r
+
+
 def _time_graph_replay(be, md, cache, spec, B, s_q, h):
     """Median time (ms) of a CUDA-graph replay of ``be.forward`` on random bf16 queries;
     returns the q and out buffers too (their sizes enter the byte count)."""
@@ -219,7 +237,7 @@ def main(argv=None) -> int:
     pool = CachePool(spec, max(batches) * max(lens))
 
     def roof(io_bytes, flops):
-        return max(io_bytes / (copy_tbps * 1e12), flops / (mm_tflops * 1e12)) * 1e3  # ms
+        return roofline_ms(io_bytes, flops, copy_tbps, mm_tflops)
 
     chosen = {}
     sweep_rows = []
@@ -264,12 +282,8 @@ def main(argv=None) -> int:
                         except Exception as e:
                             print(f"{kv} h={h} s_q={s_q} B={B} L={L}: {type(e).__name__}: {e}"[:300], flush=True)
                             continue
-                        r = dict(kv=kv, h=h, s_q=s_q, B=B, L=L, config=cfg_dict(cfg), time_us=t_ms * 1e3,
-                                 TBps=io / (t_ms * 1e-3) / 1e12, TFLOPs=fl / (t_ms * 1e-3) / 1e12,
-                                 roofline_us=roof(io, fl) * 1e3)
-                        r["bw_ratio"] = r["TBps"] / copy_tbps
-                        r["flop_ratio"] = r["TFLOPs"] / mm_tflops
-                        r["x_roofline"] = r["time_us"] / r["roofline_us"]
+                        r = case_record(dict(kv=kv, h=h, s_q=s_q, B=B, L=L, config=cfg_dict(cfg)), t_ms, io, fl,
+                                        copy_tbps, mm_tflops)
                         results.append(r)
                         print(f"{kv:4s} h={h:3d} s_q={s_q} B={B:3d} L={L:5d} {r['time_us']:9.1f} us "
                               f"{r['TBps']:5.2f} TB/s ({r['bw_ratio']:.0%}) {r['TFLOPs']:6.1f} TF/s "
@@ -324,12 +338,8 @@ def sparse_main(args, t_start, gen, props, copy_tbps, mm_tflops) -> int:
                 except Exception as e:
                     print(f"sparse {kv} B={B} L={L}: {type(e).__name__}: {e}"[:300], flush=True)
                     continue
-                roof = max(io / (copy_tbps * 1e12), fl / (mm_tflops * 1e12)) * 1e3
-                r = dict(kv=kv, h=h, s_q=s_q, B=B, L=L, topk=topk, config=cfg_dict(cfg), time_us=t_ms * 1e3,
-                         TBps=io / (t_ms * 1e-3) / 1e12, TFLOPs=fl / (t_ms * 1e-3) / 1e12, roofline_us=roof * 1e3)
-                r["bw_ratio"] = r["TBps"] / copy_tbps
-                r["flop_ratio"] = r["TFLOPs"] / mm_tflops
-                r["x_roofline"] = r["time_us"] / r["roofline_us"]
+                r = case_record(dict(kv=kv, h=h, s_q=s_q, B=B, L=L, topk=topk, config=cfg_dict(cfg)), t_ms, io, fl,
+                                copy_tbps, mm_tflops)
                 results.append(r)
                 print(f"sparse {kv:4s} h={h} s_q={s_q} topk={topk} B={B:3d} L={L:5d} {r['time_us']:9.1f} us "
                       f"{r['TBps']:5.2f} TB/s ({r['bw_ratio']:.0%}) {r['TFLOPs']:6.1f} TF/s ({r['flop_ratio']:.0%}) "

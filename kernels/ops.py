@@ -75,14 +75,21 @@ def _write_kv_cache_fake(kv_cache, latent, rope, slot_mapping, rank, rope_dim, f
 
 # --------------------------------------------------------------------------- planner
 
-def _check_plan(cache_seqlens, part_info, num_splits, split_offsets, block_n, min_tiles_per_part):
-    check_tensor("cache_seqlens", cache_seqlens, dtypes=_I32, shape=(None,), shape_text="[B] int32")
-    B = cache_seqlens.shape[0]
+def _check_plan_buffers(part_info, num_splits, split_offsets, n: int, n_text: str) -> None:
+    """The plan the planner writes and the decode/combine read: part_info int32
+    ``[num_parts + 1, 3]`` (>= 2 rows), num_splits / split_offsets int32 ``[n]`` (``n_text``
+    names n in messages, e.g. ``B=4``)."""
     check_tensor("part_info", part_info, dtypes=_I32, shape=(None, 3), shape_text="[num_parts + 1, 3] int32")
     if part_info.shape[0] < 2:
         raise ValueError(f"part_info must have num_parts + 1 >= 2 rows, got {tuple(part_info.shape)}")
-    check_tensor("num_splits", num_splits, dtypes=_I32, shape=(B,), shape_text=f"[B={B}] int32")
-    check_tensor("split_offsets", split_offsets, dtypes=_I32, shape=(B,), shape_text=f"[B={B}] int32")
+    check_tensor("num_splits", num_splits, dtypes=_I32, shape=(n,), shape_text=f"[{n_text}] int32")
+    check_tensor("split_offsets", split_offsets, dtypes=_I32, shape=(n,), shape_text=f"[{n_text}] int32")
+
+
+def _check_plan(cache_seqlens, part_info, num_splits, split_offsets, block_n, min_tiles_per_part):
+    check_tensor("cache_seqlens", cache_seqlens, dtypes=_I32, shape=(None,), shape_text="[B] int32")
+    B = cache_seqlens.shape[0]
+    _check_plan_buffers(part_info, num_splits, split_offsets, B, f"B={B}")
     if block_n < 1 or min_tiles_per_part < 1:
         raise ValueError(f"block_n and min_tiles_per_part must be >= 1, got {block_n}, {min_tiles_per_part}")
     check_device(cache_seqlens.device, part_info=part_info, num_splits=num_splits, split_offsets=split_offsets)
@@ -120,11 +127,7 @@ def _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, 
     if ctx_lens.shape[1] > s_q:
         raise ValueError(f"ctx_lens width (max_decode_len) must be <= s_q={s_q}, got {tuple(ctx_lens.shape)}")
     check_tensor("ctx_width", ctx_width, dtypes=_I32, shape=(1,), shape_text="[1] int32")
-    check_tensor("part_info", part_info, dtypes=_I32, shape=(None, 3), shape_text="[num_parts + 1, 3] int32")
-    if part_info.shape[0] < 2:
-        raise ValueError(f"part_info must have num_parts + 1 >= 2 rows, got {tuple(part_info.shape)}")
-    check_tensor("num_splits", num_splits, dtypes=_I32, shape=(B,), shape_text=f"[B={B}] int32")
-    check_tensor("split_offsets", split_offsets, dtypes=_I32, shape=(B,), shape_text=f"[B={B}] int32")
+    _check_plan_buffers(part_info, num_splits, split_offsets, B, f"B={B}")
     check_tensor("out", out, dtypes=(q.dtype,), shape=(B, s_q, h, rank), shape_text=f"[B={B}, s_q={s_q}, h={h}, {rank}]")
     check_tensor("lse", lse, dtypes=_F32, shape=(B, h, s_q), shape_text=f"[B={B}, h={h}, s_q={s_q}] fp32")
     check_tensor("partial_o", partial_o, dtypes=_F32, shape=(None, rows, rank),
@@ -184,11 +187,7 @@ def _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, nu
     check_tensor("indices", indices, dtypes=_I32, shape=(None,), shape_text="[N] int32 (flat top-k slots)")
     check_tensor("row_start", row_start, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
     check_tensor("row_len", row_len, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
-    check_tensor("part_info", part_info, dtypes=_I32, shape=(None, 3), shape_text="[num_parts + 1, 3] int32")
-    if part_info.shape[0] < 2:
-        raise ValueError(f"part_info must have num_parts + 1 >= 2 rows, got {tuple(part_info.shape)}")
-    check_tensor("num_splits", num_splits, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
-    check_tensor("split_offsets", split_offsets, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
+    _check_plan_buffers(part_info, num_splits, split_offsets, R, f"B*s_q={R}")
     check_tensor("out", out, dtypes=(q.dtype,), shape=(B, s_q, h, rank), shape_text=f"[B={B}, s_q={s_q}, h={h}, {rank}]")
     check_tensor("lse_rows", lse_rows, dtypes=_F32, shape=(R, h), shape_text=f"[B*s_q={R}, h={h}] fp32")
     check_tensor("partial_o", partial_o, dtypes=_F32, shape=(None, h, rank), shape_text=f"[capacity, h={h}, {rank}] fp32")

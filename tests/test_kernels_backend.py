@@ -237,3 +237,28 @@ def test_cuda_graph_replay_follows_new_builds(kv):
         ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                  q_lens=case.q_lens)
         assert_decode_close(g_out[:B], g_lse[:B], *ref, tol=TOL_GPU[torch.bfloat16])
+
+
+def test_decode_op_rejects_bad_plan_buffers():
+    """The plan buffers handed to ``mla_fuzz::decode_split`` are checked at its entry, with
+    the expected shape in the message (a short num_splits would be read past its end)."""
+    spec = ModelSpec.tiny(num_heads=2)
+    be = make_backend(spec)
+    case = make_case(spec, seq_lens=[12, 20], q_lens=[1, 2], s_q=2, page_size=8, kv_dtype="bf16")
+    md = be.build(batch_of(case, next_n=2))
+    po, plse = kernels.decode.alloc_partials(md.config, 2, 2, spec.kv_lora_rank, torch.device("cpu"))
+    out = torch.empty(2, 2, 2, spec.kv_lora_rank, dtype=torch.bfloat16)
+    lse = torch.empty(2, 2, 2)
+
+    def call(part_info=md.part_info, num_splits=md.num_splits, split_offsets=md.split_offsets):
+        ops.decode_split(case.q, case.kv_cache, md.block_table, md.seq_lens, md.ctx_lens, md.ctx_width, part_info,
+                         num_splits, split_offsets, out, lse, po, plse, spec.softmax_scale, spec.kv_lora_rank,
+                         spec.qk_rope_head_dim, spec.fp8_group, 16, 16, 4, 1)
+
+    with pytest.raises(ValueError, match=r"num_splits must have shape \[B=2\] int32"):
+        call(num_splits=md.num_splits[:1])
+    with pytest.raises(ValueError, match=r"split_offsets must have dtype int32"):
+        call(split_offsets=md.split_offsets.long())
+    with pytest.raises(ValueError, match=r"part_info must have num_parts \+ 1 >= 2 rows"):
+        call(part_info=md.part_info[:1])
+    call()  # the same buffers, untouched, are accepted
