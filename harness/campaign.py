@@ -61,9 +61,9 @@ class CampaignOptions:
     # run the workers under a private CUDA MPS daemon (harness.mps); crash/hang repros are
     # then confirmed by a replay without MPS at the end instead of being reduced
     mps: bool = False
-    # with ``mps``: the environment of an MPS daemon already running (a bench shares one
+    # with ``mps``: MPS daemons already running (harness.mps.MpsDaemons, one per GPU; a bench shares them
     # across campaigns); None = start a private one for this campaign
-    mps_env: dict | None = None
+    mps_daemons: object = None
 
 
 @dataclass
@@ -215,12 +215,12 @@ class CampaignRun:
             tmp = tempfile.TemporaryDirectory(prefix="mla-fuzz-workers-")
             self._log_dir = tmp.name
         envs, daemon = opts.worker_envs, None
-        if opts.mps and opts.mps_env is not None:
-            envs = [dict(e, **opts.mps_env) for e in envs]
+        if opts.mps and opts.mps_daemons is not None:
+            envs = [opts.mps_daemons.client_env(e) for e in envs]
         elif opts.mps:
-            from .mps import MpsDaemon
-            daemon = MpsDaemon().start()  # MpsError (a ValueError) if it cannot start
-            envs = [dict(e, **daemon.env()) for e in envs]
+            from .mps import MpsDaemons
+            daemon = MpsDaemons.for_envs(envs).start()  # MpsError (a ValueError) if one cannot start
+            envs = [daemon.client_env(e) for e in envs]
         pool = Pool(envs, self._log_dir, case_timeout=opts.case_timeout)
         old_handler = None
         if handle_sigint and threading.current_thread() is threading.main_thread():

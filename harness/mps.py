@@ -11,6 +11,15 @@ The daemon gets its own pipe and log directories (``CUDA_MPS_PIPE_DIRECTORY`` /
 which get those variables in their environment — connect to it; other CUDA programs on
 the machine are untouched. It is stopped (``quit``) and its directory removed at the end.
 
+With several GPUs, ``MpsDaemons`` starts one daemon per GPU, pinned to it with
+``CUDA_VISIBLE_DEVICES`` (the per-GPU layout of NVIDIA's MPS guide); a worker connects to
+its GPU's daemon, so a fatal fault stays among the workers of one GPU. (It did not change
+the multi-GPU scaling at 8 workers per GPU, 0.67 shared vs 0.71 per GPU: that is bound by
+the host's CPUs, see docs/cli.md.)
+A daemon started with ``CUDA_VISIBLE_DEVICES`` renumbers the GPUs its clients see (its GPU
+is their device 0: NVIDIA's MPS guide, "CUDA_VISIBLE_DEVICES"), so a worker's own
+``CUDA_VISIBLE_DEVICES`` is replaced by ``0`` when it is handed to the daemon.
+
 Caveat, handled by the campaign: MPS shares a fatal GPU fault among the processes on that
 GPU, so one worker's illegal memory access also ends its neighbours. See
 ``harness.campaign`` (crash repros found under MPS are confirmed by a replay without MPS).
@@ -62,7 +71,10 @@ def _alive(pid: int) -> bool:
 class MpsDaemon:
     """Start with ``start()`` (or ``with``), hand ``env()`` to the workers, ``stop()`` at the end."""
 
-    def __init__(self, control: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, control: str | None = None, timeout_s: float = 30.0, device: str | None = None):
+        """``device``: a ``CUDA_VISIBLE_DEVICES`` value for the daemon (its server then sees
+        only that GPU, as its clients' device 0); None: every GPU, numbered as usual."""
+        self.device = device
         self.control = control or find_control()
         if self.control is None:
             raise MpsError(f"--mps: {CONTROL} was not found (PATH, /usr/local/nvidia/bin, /usr/bin); "
@@ -77,8 +89,19 @@ class MpsDaemon:
         return {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self._dir, "pipe"),
                 "CUDA_MPS_LOG_DIRECTORY": os.path.join(self._dir, "log")}
 
+    def client_env(self, worker_env: dict) -> dict:
+        """``worker_env`` (a worker's environment additions) connected to this daemon; a
+        pinned daemon's GPU is the client's device 0 (module doc)."""
+        env = dict(worker_env, **self.env())
+        if self.device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = "0"
+        return env
+
     def _run(self, args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([self.control, *args], input=stdin, env={**os.environ, **self.env()},
+        env = {**os.environ, **self.env()}
+        if self.device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.device
+        return subprocess.run([self.control, *args], input=stdin, env=env,
                               capture_output=True, text=True, timeout=self.timeout_s)
 
     def start(self) -> "MpsDaemon":
@@ -124,6 +147,50 @@ class MpsDaemon:
             self._dir = None
 
     def __enter__(self) -> "MpsDaemon":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class MpsDaemons:
+    """One ``MpsDaemon`` per GPU of the workers (module doc); ``start()``, hand each worker
+    ``client_env(its env)``, ``stop()`` at the end (or ``with``)."""
+
+    def __init__(self, devices: list[str], control: str | None = None, timeout_s: float = 30.0):
+        """``devices``: the workers' ``CUDA_VISIBLE_DEVICES`` values, one daemon per distinct one."""
+        self.daemons = {d: MpsDaemon(control, timeout_s, device=d or None) for d in dict.fromkeys(devices)}
+
+    @classmethod
+    def for_envs(cls, envs: list[dict], control: str | None = None) -> "MpsDaemons":
+        """Daemons for these worker environments (each pinned by ``CUDA_VISIBLE_DEVICES``)."""
+        return cls([e.get("CUDA_VISIBLE_DEVICES", "") for e in envs], control)
+
+    def start(self) -> "MpsDaemons":
+        started = []
+        try:
+            for d in self.daemons.values():
+                started.append(d.start())
+        except BaseException:
+            for d in started:
+                d.stop()
+            raise
+        return self
+
+    def client_env(self, worker_env: dict) -> dict:
+        """``worker_env`` connected to the daemon of its GPU; a worker without a pinned GPU
+        (``CUDA_VISIBLE_DEVICES`` unset or empty) goes to an unpinned daemon."""
+        dev = worker_env.get("CUDA_VISIBLE_DEVICES", "")
+        if dev not in self.daemons:
+            raise KeyError(f"no MPS daemon for CUDA_VISIBLE_DEVICES={dev!r} (have {sorted(self.daemons)})")
+        return self.daemons[dev].client_env(worker_env)
+
+    def stop(self) -> None:
+        """Stop every daemon (never raises)."""
+        for d in self.daemons.values():
+            d.stop()
+
+    def __enter__(self) -> "MpsDaemons":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -63,13 +63,13 @@ def visible_gpu_ids() -> list[str]:
 
 
 def run_campaign(plan: BenchPlan, spec: str, mode: str, envs: list[dict], budget_s: float, seed: int,
-                 mps_env: dict | None = None) -> dict:
+                 mps_daemons=None) -> dict:
     """One campaign; its throughput as a dict (cases = scenarios, each starting with a capture)."""
     from .campaign import CampaignOptions, CampaignRun
 
     opts = CampaignOptions(backend=plan.backend, graph=mode, spec=spec, budget_s=budget_s, examples=None,
                            seed=seed, corpus=Path(plan.corpus), worker_envs=envs, case_timeout=plan.case_timeout,
-                           chunk=plan.chunk, mps=mps_env is not None, mps_env=mps_env)
+                           chunk=plan.chunk, mps=mps_daemons is not None, mps_daemons=mps_daemons)
     res = CampaignRun(opts).run(handle_sigint=False)
     steady = None
     if res.startup_s is not None and res.elapsed > res.startup_s:
@@ -144,7 +144,7 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def _runs(plan: BenchPlan, ids: list[str], cpu_count: int, note, mps_env: dict | None) -> None:
+def _runs(plan: BenchPlan, ids: list[str], cpu_count: int, note, mps_daemons) -> None:
     """Warm-up and timed campaigns of every (spec, mode), each record handed to ``note``."""
     for spec in plan.specs:
         for mode in plan.modes:
@@ -162,11 +162,11 @@ def _runs(plan: BenchPlan, ids: list[str], cpu_count: int, note, mps_env: dict |
             if plan.warmup_s > 0:
                 widest = max(envs_list, key=len)
                 rec = run_campaign(plan, spec, mode, widest, plan.warmup_s, plan.seed + 7919,
-                                   mps_env if mode == "cuda" else None)
+                                   mps_daemons if mode == "cuda" else None)
                 note({**rec, "warmup": True})
             for envs in envs_list:
                 note(run_campaign(plan, spec, mode, envs, plan.budget_s, plan.seed,
-                                  mps_env if mode == "cuda" else None))
+                                  mps_daemons if mode == "cuda" else None))
 
 
 def run_bench(plan: BenchPlan, *, on_run: Optional[Callable[[dict], None]] = None,
@@ -191,14 +191,14 @@ def run_bench(plan: BenchPlan, *, on_run: Optional[Callable[[dict], None]] = Non
         if on_run is not None:
             on_run(rec)
 
-    # one MPS daemon for every cuda run (as a user's single campaign has one): starting a
-    # daemon per campaign left the previous one's server competing for the GPU
+    # the same MPS daemons (one per GPU) for every cuda run, as a user's single campaign has
+    # them: starting daemons per campaign left the previous ones' servers competing for the GPU
     daemon = None
     if plan.mps and "cuda" in plan.modes and ids:
-        from .mps import MpsDaemon
-        daemon = MpsDaemon().start()
+        from .mps import MpsDaemons
+        daemon = MpsDaemons(ids[:max(plan.gpus)]).start()
     try:
-        _runs(plan, ids, cpu_count, note, None if daemon is None else daemon.env())
+        _runs(plan, ids, cpu_count, note, daemon)
     finally:
         if daemon is not None:
             daemon.stop()

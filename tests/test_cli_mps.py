@@ -17,7 +17,7 @@ import pytest
 
 from harness import cli
 from harness.campaign import CampaignOptions, CampaignRun, worker_envs
-from harness.mps import MpsDaemon, MpsError
+from harness.mps import MpsDaemon, MpsDaemons, MpsError
 
 
 FAKE_CONTROL = """#!{python}
@@ -26,7 +26,8 @@ pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
 log = {log!r}
 if sys.argv[1:] == ["-d"]:
     open(os.path.join(pipe, "control"), "w").close()
-    event = {{"cmd": "start", "pipe": pipe, "log": os.environ["CUDA_MPS_LOG_DIRECTORY"]}}
+    event = {{"cmd": "start", "pipe": pipe, "log": os.environ["CUDA_MPS_LOG_DIRECTORY"],
+             "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}}
 else:
     cmd = sys.stdin.read().strip()
     if cmd == "get_server_list":
@@ -59,9 +60,41 @@ def test_daemon_starts_in_private_dirs_and_quits(fake_control):
         assert os.path.isdir(env["CUDA_MPS_PIPE_DIRECTORY"]) and os.path.isdir(env["CUDA_MPS_LOG_DIRECTORY"])
         root = os.path.dirname(env["CUDA_MPS_PIPE_DIRECTORY"])
     start, quit_ = _events(fake_control)
-    assert start == {"cmd": "start", "pipe": env["CUDA_MPS_PIPE_DIRECTORY"], "log": env["CUDA_MPS_LOG_DIRECTORY"]}
+    assert start == {"cmd": "start", "pipe": env["CUDA_MPS_PIPE_DIRECTORY"], "log": env["CUDA_MPS_LOG_DIRECTORY"],
+                     "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}
     assert quit_ == {"cmd": "quit", "pipe": env["CUDA_MPS_PIPE_DIRECTORY"]}
     assert not os.path.exists(root) and d.env() == {}
+
+
+def test_one_daemon_per_gpu_each_pinned_and_clients_renumbered(fake_control):
+    """Workers on GPUs 0, 1, 0 get two daemons, each started with only its GPU visible; a
+    worker connects to its GPU's daemon and sees that GPU as device 0 (MPS renumbers)."""
+    envs = [{"CUDA_VISIBLE_DEVICES": g, "X": str(i)} for i, g in enumerate(["0", "1", "0"])]
+    with MpsDaemons.for_envs(envs) as group:
+        clients = [group.client_env(e) for e in envs]
+        with pytest.raises(KeyError, match="no MPS daemon"):
+            group.client_env({"CUDA_VISIBLE_DEVICES": "2"})
+    starts = [e for e in _events(fake_control) if e["cmd"] == "start"]
+    quits = [e for e in _events(fake_control) if e["cmd"] == "quit"]
+    assert [s["cvd"] for s in starts] == ["0", "1"]
+    pipe_of = {s["cvd"]: s["pipe"] for s in starts}
+    assert [c["CUDA_MPS_PIPE_DIRECTORY"] for c in clients] == [pipe_of["0"], pipe_of["1"], pipe_of["0"]]
+    assert all(c["CUDA_VISIBLE_DEVICES"] == "0" for c in clients)
+    assert [c["X"] for c in clients] == ["0", "1", "2"]
+    assert sorted(q["pipe"] for q in quits) == sorted(pipe_of.values())
+
+
+def test_daemon_group_stops_started_daemons_when_one_fails(tmp_path, monkeypatch, fake_control):
+    """If the second GPU's daemon cannot start, the first is quit again and the error is clear."""
+    ctl = tmp_path / "ctl"
+    ctl.write_text(f"#!/bin/sh\nif [ \"$CUDA_VISIBLE_DEVICES\" = 1 ] && [ \"$1\" = -d ]; then echo 'GPU 1 busy' >&2; "
+                   f"exit 1; fi\nexec {os.environ['MLA_FUZZ_MPS_CONTROL']} \"$@\"\n")
+    ctl.chmod(0o755)
+    monkeypatch.setenv("MLA_FUZZ_MPS_CONTROL", str(ctl))
+    with pytest.raises(MpsError, match="GPU 1 busy"):
+        MpsDaemons(["0", "1"]).start()
+    events = _events(fake_control)
+    assert [e["cmd"] for e in events] == ["start", "quit"] and events[0]["cvd"] == "0"
 
 
 def test_missing_control_is_a_clear_error(tmp_path, monkeypatch):
