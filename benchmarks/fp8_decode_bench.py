@@ -23,12 +23,23 @@ timed with ``triton.testing.do_bench`` (median, L2 flushed), via ``benchmarks/ke
 2. Grid: ``s_q in {1, 2} x B in {32, 128} x L in {1k, 4k, 16k}`` for ``dequant`` and
    ``grouped`` at the shipped ``default_config`` and at each one's sweep winner.
 
+3. ``--tma``: instead of 1 and 2, the TMA path (``FP8_TMA``, module doc of
+   ``kernels.decode_split``) against the pointer path, on the same grid: per s_q the
+   shipped ``default_config`` with ``FP8_TMA = False`` (``ptr@default``, the baseline) and
+   with ``FP8_TMA = True`` at ``num_stages`` 2, 3, 4 (``tma@st<n>``; the default config's
+   ``num_stages=1`` is read as ``FP8_TMA_STAGES`` by the TMA path), plus the other FP8 path
+   (``fp8_grouped`` flipped) with TMA at 3 stages (``tma-other@st3``). Every row records the
+   host's ``fp8_tma_plan`` (taken or not, stages compiled, reason), time, TB/s, the ratio
+   to the measured copy bandwidth and the speedup over ``ptr@default``. Give it
+   ``--budget-s 420`` or so: ~60 measurements.
+
 Compiling ~60 kernel variants would take most of the time budget, so ``--jobs`` worker
 processes first compile them into Triton's on-disk cache (each runs one tiny case per
 config); the timing process then only loads them. Prints tables; ``--out`` writes JSON.
 Stops starting new measurements after ``--budget-s`` seconds (default 110).
 
     python benchmarks/fp8_decode_bench.py --out benchmarks/results/<gpu>-<date>-fp8-decode.json
+    python benchmarks/fp8_decode_bench.py --tma --budget-s 420 --out benchmarks/results/<gpu>-<date>-fp8-tma.json
 """
 from __future__ import annotations
 
@@ -54,11 +65,15 @@ from kernels import DecodeConfig, default_config  # noqa: E402
 import kernels.decode_split as ds  # noqa: E402
 
 HEADS = 16
-VARIANTS = {  # module switches of kernels.decode_split per variant
-    "dequant": dict(FP8_GROUPED_DOTS=False, FP8_TWIN_LOADS=True),
-    "grouped": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True),
-    "grouped-single": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=False),
+VARIANTS = {  # module switches of kernels.decode_split per variant (all three set every time)
+    "dequant": dict(FP8_GROUPED_DOTS=False, FP8_TWIN_LOADS=True, FP8_TMA=False),
+    "grouped": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False),
+    "grouped-single": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=False, FP8_TMA=False),
+    # --tma: the path follows the config (fp8_grouped), loads by pointer or through TMA
+    "ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False),
+    "tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True),
 }
+TMA_STAGES = (2, 3, 4)
 
 
 def set_variant(name: str) -> None:
@@ -67,12 +82,30 @@ def set_variant(name: str) -> None:
 
 
 def cfg_key(c: DecodeConfig) -> tuple:
-    return (c.block_m, c.block_n, c.num_warps, c.num_stages, c.num_parts, c.fp8_prefetch)
+    return (c.block_m, c.block_n, c.num_warps, c.num_stages, c.num_parts, c.fp8_prefetch, c.fp8_grouped)
 
 
 def cfg_text(c: DecodeConfig) -> str:
     return (f"bm{c.block_m} bn{c.block_n} w{c.num_warps} st{c.num_stages}"
-            f"{' pf' if c.fp8_prefetch else ''} parts{c.num_parts}")
+            f"{' pf' if c.fp8_prefetch else ''}{' grp' if c.fp8_grouped else ' deq'} parts{c.num_parts}")
+
+
+def tma_settings(s_q: int) -> list[tuple[str, str, DecodeConfig]]:
+    """``(label, variant, config)`` timed per case by ``--tma`` (module doc, item 3)."""
+    base = shipped_config(s_q)
+    out = [("ptr@default", "ptr", base)]
+    out += [(f"tma@st{st}", "tma", base.with_(num_stages=st)) for st in TMA_STAGES]
+    out.append(("tma-other@st3", "tma", base.with_(num_stages=3, fp8_grouped=not base.fp8_grouped)))
+    return out
+
+
+def tma_plan_record(cache, cfg: DecodeConfig) -> dict:
+    """What ``kernels.decode_split.fp8_tma_plan`` decides for this cache and config under the
+    switches now set (the launcher makes the same call)."""
+    spec = ModelSpec()
+    p = ds.fp8_tma_plan(cache, rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, fp8_group=spec.fp8_group,
+                        block_m=cfg.block_m, block_n=cfg.block_n, num_stages=cfg.num_stages)
+    return dict(tma=p.use, tma_num_stages=p.num_stages if p.use else None, tma_reason=p.reason)
 
 
 def make_cfg(rows: int, sms: int, bn: int, warps: int, stages: int, prefetch: bool) -> DecodeConfig:
@@ -155,6 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                     help="precompile worker processes (0: compile lazily in this process)")
     ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting measurements after this")
+    ap.add_argument("--tma", action="store_true", help="TMA path vs pointer path at the default configs only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("fp8_decode_bench: needs a CUDA GPU", file=sys.stderr)
@@ -166,6 +200,8 @@ def main(argv=None) -> int:
     sweep_B, sweep_L = (int(x) for x in args.sweep_case.split(","))
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
+    if args.tma:
+        return tma_main(args, t_start, sqs, batches, lens, props, sms)
 
     plans = {s_q: ([] if args.no_sweep else sweep_plan(s_q, sms)) for s_q in sqs}
     if args.jobs > 0:
@@ -259,6 +295,84 @@ def main(argv=None) -> int:
         "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
         "variants": VARIANTS, "best": summary, "sweep": sweep_rows, "results": results,
         "skipped_for_budget": skipped, "wall_s": time.time() - t_start,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(f"# wall {time.time() - t_start:.0f} s", flush=True)
+    return 0
+
+
+def tma_main(args, t_start, sqs, batches, lens, props, sms) -> int:
+    """``--tma`` (module doc, item 3)."""
+    settings = {s_q: tma_settings(s_q) for s_q in sqs}
+    if args.jobs > 0:
+        uniq = {(v, s_q, cfg_key(c)): (v, s_q, c) for s_q in sqs for _, v, c in settings[s_q]}
+        t0 = time.time()
+        try:
+            precompile(list(uniq.values()), args.jobs)
+        except Exception as e:  # the timing pass compiles whatever is missing
+            print(f"# precompile failed ({type(e).__name__}: {e}); compiling lazily", flush=True)
+        print(f"# precompiled {len(uniq)} variants with {args.jobs} workers in {time.time() - t0:.0f} s", flush=True)
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    copy_tbps = kb.measure_copy_tbps()
+    print(f"# {props.name} ({sms} SMs, cc {props.major}.{props.minor}): copy {copy_tbps:.2f} TB/s "
+          f"(read+write); h={HEADS}, DeepSeek-V3 dims, FP8, page {kb.PAGE}", flush=True)
+    spec = ModelSpec()
+    pool = kb.CachePool(spec, max(batches) * max(lens))
+    cache = pool.get("fp8")
+    results, skipped = [], 0
+    print("\n## TMA vs pointer loads (speedup vs ptr@default)", flush=True)
+    print(f"  {'s_q':>3s} {'B':>4s} {'L':>6s}  {'setting':14s} {'config':38s} {'TMA':>5s} {'time us':>9s} "
+          f"{'TB/s':>6s} {'of copy':>7s} {'speedup':>7s}", flush=True)
+    for s_q in sqs:
+        for B in batches:
+            for L in lens:
+                base = None
+                for label, variant, cfg in settings[s_q]:
+                    if time.time() - t_start > args.budget_s:
+                        skipped += 1
+                        continue
+                    set_variant(variant)
+                    plan = tma_plan_record(cache, cfg)
+                    try:
+                        t_ms, io, _ = kb.run_case(spec, pool, HEADS, s_q, B, L, "fp8", cfg, gen)
+                    except Exception as e:  # e.g. OutOfResources: this config does not fit
+                        print(f"  {s_q:3d} {B:4d} {L:6d}  {label:14s} {cfg_text(cfg)}: {type(e).__name__}: {e}"[:300],
+                              flush=True)
+                        results.append(dict(setting=label, variant=variant, s_q=s_q, B=B, L=L,
+                                            config=kb.cfg_dict(cfg), fp8_grouped=cfg.fp8_grouped, **plan,
+                                            error=f"{type(e).__name__}: {e}"[:300]))
+                        continue
+                    tbps = io / (t_ms * 1e-3) / 1e12
+                    r = dict(setting=label, variant=variant, s_q=s_q, B=B, L=L, config=kb.cfg_dict(cfg),
+                             fp8_grouped=cfg.fp8_grouped, **plan, time_us=t_ms * 1e3, TBps=tbps,
+                             bw_ratio=tbps / copy_tbps)
+                    if label == "ptr@default":
+                        base = r["time_us"]
+                    r["speedup_vs_ptr_default"] = base / r["time_us"] if base else None
+                    results.append(r)
+                    sp = f"{r['speedup_vs_ptr_default']:6.2f}x" if base else "      -"
+                    tma_txt = f"st{plan['tma_num_stages']}" if plan["tma"] else "no"
+                    print(f"  {s_q:3d} {B:4d} {L:6d}  {label:14s} {cfg_text(cfg):38s} {tma_txt:>5s} "
+                          f"{r['time_us']:9.1f} {tbps:6.2f} {r['bw_ratio']:7.0%} {sp}", flush=True)
+    set_variant("ptr")
+    if skipped:
+        print(f"# budget of {args.budget_s:.0f} s reached: {skipped} measurements skipped", flush=True)
+    doc = {
+        "gpu": props.name, "sms": sms, "capability": [props.major, props.minor],
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "python": platform.python_version(),
+        "copy_TBps_read_plus_write": copy_tbps, "heads": HEADS, "page_size": kb.PAGE, "mode": "tma",
+        "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
+        "variants": {k: VARIANTS[k] for k in ("ptr", "tma")},
+        "tma_module": {k: getattr(ds, k) for k in ("FP8_TMA_STAGES", "FP8_TMA_SMEM_BUDGET", "TMA_MAX_BLOCK_M")},
+        "settings": {s_q: [dict(setting=lab, variant=v, config=kb.cfg_dict(c), fp8_grouped=c.fp8_grouped)
+                           for lab, v, c in settings[s_q]] for s_q in sqs},
+        "results": results, "skipped_for_budget": skipped, "wall_s": time.time() - t_start,
     }
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

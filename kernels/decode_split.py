@@ -64,6 +64,57 @@ on the host:
 
 Both are ignored for 16-bit caches, whose tiles feed the dots directly and are pipelined.
 
+TMA path (``FP8_TMA``, decided on the host by ``fp8_tma_plan``; both FP8 paths). The FP8
+tiles are fetched by Hopper's TMA engine through tensor descriptors, asynchronously into
+shared memory. Triton's pipeliner takes a descriptor load for multi-buffering whatever
+its uses are: ``isPipeliningBeneficial`` in ``Pipeliner/AssignLatencies.cpp`` returns true
+for ``DescriptorLoadOp`` before the shared-layout agreement test that stops the code-tile
+pointer loads (so in every version of that file read, from the ``ExperimentalDescriptorLoadOp``
+era to the current one), so with ``num_stages = S`` each tile's boxes get latency ``S - 1``:
+issued ``S - 1`` tiles ahead into a ring of shared-memory buffers. The scalar block-table load
+that finds the tile's page is too small to pipeline and stays in the loop (an L2 hit, while
+the boxes already issued keep streaming).
+
+What it bought on an H100 was small (``benchmarks/results/h100-2026-11-26-fp8-tma.json``):
+1.02-1.07x at 16 rows, 0.90-0.96x at 32. Load latency is not what holds FP8 back: Nsight
+Compute on the 16-row kernel (B=128, L=4k) shows 255 registers per thread with heavy local
+spilling, one 8-warp program per SM, an issue slot busy 30% of cycles, and about 12 warp
+instructions per 32 cached codes (conversion, scaling and layout shuffles) — the per-tile
+ALU and register work, not the memory system, sets its 30% of copy bandwidth.
+
+- Geometry: a tile of ``BLOCK_N`` keys starts at a multiple of ``BLOCK_N`` within its
+  request (planner), so when ``BLOCK_N`` divides ``page_size`` it lies inside one page and
+  is one 2-D box of the cache viewed as ``[num_blocks * page_size, bytes_per_token]``, at
+  row ``page * page_size + offset``. Three descriptors over dtype views of the same bytes,
+  each limited to its region of a token (``_fp8_tma_descriptors``): uint8 codes (boxes of a
+  ``RANK / 4`` quarter on the grouped path; of the whole ``RANK`` row on the dequantise path,
+  which Triton issues as several copies since a TMA box dim is at most 256 elements —
+  triton-lang/triton#6776, merged May 2025, before 3.4), fp32 scales (``[BLOCK_N, groups]`` at column
+  ``RANK / 4``; the grouped path picks quarter j's word out by a masked row sum) and bf16
+  rope (``[BLOCK_N, ROPE]`` at column ``(RANK + 4 groups) / 2``).
+- Constraints, checked by ``fp8_tma_plan`` (any failing -> the pointer path, with the
+  reason): FP8 cache, CUDA compute capability >= 9 (or ``FP8_TMA_ANY_DEVICE``, e.g. the
+  interpreter), ``block_m <= TMA_MAX_BLOCK_M`` (16: measured faster only there, see the constant), contiguous cache with the codes/scales/rope token layout,
+  ``page_size % block_n == 0``, ``block_n <= 256``, fewer than ``2**31`` rows (int32
+  coordinates), 16-byte aligned base, row stride (bytes per token) a multiple of 16, every
+  box a power of two >= 16 bytes wide starting at a 16-byte aligned column.
+- Masking: a box holds whole rows, including the rows past the request's length inside
+  the page (stale or never-written slots; the fuzzer poisons them with NaN). The pointer
+  path never loads those (masked, ``other=0``); here they arrive, and the kernel zeroes
+  their codes, scales and rope after the load. The codes and scales are essential: P is 0
+  for such keys, but ``0 * NaN = NaN`` inside ``P @ V`` (and the scale enters ``P * sc``).
+  The rope only reaches scores that ``where(visible, s, -inf)`` replaces; it is zeroed all
+  the same. TMA's zero fill of rows past the tensor's end is not relied on.
+  (Under the interpreter an e4m3 NaN byte decodes as 480, not NaN — the tests restore NaN
+  with a fixture to see a missing code mask.)
+- Stages: ``DecodeConfig.num_stages`` as given when >= 2; ``num_stages = 1`` (the register
+  prefetch configs: the prefetch is off on this path, as are twin loads) is read as
+  ``FP8_TMA_STAGES``; the depth is cut so that ``num_stages * block_n * bytes_per_token``
+  fits ``FP8_TMA_SMEM_BUDGET``.
+- Descriptors are host objects made by the launcher from ``kv_cache`` at every launch
+  (inside the custom op); a captured CUDA graph bakes them in by value, the same staleness
+  as the raw pointer it would bake otherwise.
+
 Each piece ends in one of two stores: a request that is not split writes its final
 ``out`` (q dtype) and ``lse`` directly; a split request writes an fp32 partial (normalised
 output + base-2 LSE) into its row of the partial buffer for the combine kernel. Tokens with
@@ -81,13 +132,22 @@ per-token key counts from ``topk_length`` in place of ``ctx_lens``, and the plan
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from .rounding import to_out
 
-__all__ = ["launch_decode_split", "fp8_grouped_dots"]
+try:  # host-side TMA descriptors (Triton >= 3.3; the same class in 3.6 and 3.9)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover - an older Triton: the pointer path only
+    TensorDescriptor = None
+
+__all__ = ["launch_decode_split", "fp8_grouped_dots", "fp8_tma_plan", "TmaPlan"]
 
 _LOG2E = 1.4426950408889634
 
@@ -100,6 +160,33 @@ FP8_GROUPED_DOTS = True
 #: load each code tile twice, once per dot (module doc, "twin loads"). A module switch for
 #: the same reason.
 FP8_TWIN_LOADS = True
+
+
+#: Fetch FP8 cache tiles through TMA tensor descriptors where ``fp8_tma_plan`` allows it
+#: (module doc, "TMA path"): on CUDA devices of compute capability >= 9 (Hopper has the TMA
+#: engine; Triton lowers descriptor loads to plain loads elsewhere). A module switch like
+#: ``FP8_GROUPED_DOTS``: ``benchmarks/fp8_decode_bench.py`` and the tests turn it off / on.
+FP8_TMA = True
+#: Take the TMA path on any device where its constraints hold — the interpreter included
+#: (it executes descriptor loads), so the CPU suite covers the path's logic. Off by default.
+FP8_TMA_ANY_DEVICE = False
+#: Pipeline depth of the TMA path when the config says ``num_stages=1``: that value belongs
+#: to the register-prefetch configs (``fp8_prefetch``), which the TMA path replaces, and an
+#: unpipelined TMA load would wait out every tile's round trip. ``num_stages >= 2`` is used
+#: as given (within ``FP8_TMA_SMEM_BUDGET``).
+FP8_TMA_STAGES = 3
+#: Shared memory the TMA path's tile buffers may take: ``num_stages`` buffers of
+#: ``block_n * bytes_per_token`` each (656 B a key at DeepSeek size: 41 KiB at block_n=64).
+#: Deeper pipelines are cut to fit; the rest of H100's 227 KiB is left for Triton's
+#: layout-conversion scratch.
+FP8_TMA_SMEM_BUDGET = 176 * 1024
+#: Largest row block that takes the TMA path. Measured on an H100 (h=16, B 32/128, L 1k-16k,
+#: ``benchmarks/results/h100-2026-11-26-fp8-tma.json``): at 16 rows TMA was 1.02-1.07x the
+#: pointer path with its register prefetch, at 32 rows (the grouped path of s_q=2) 0.90-0.96x,
+#: so 32-row blocks keep the pointer path. 64-row blocks (h=128) could not take it anyway:
+#: they stage their wgmma operands in shared memory as well (``q_lat`` and the converted K,
+#: 64 KiB each at rank 512), leaving no room for two tile buffers.
+TMA_MAX_BLOCK_M = 16
 
 
 #: Largest row block that takes the grouped-dot path: at 64 rows (h=128) its four
@@ -118,15 +205,119 @@ def fp8_grouped_dots(rank: int, fp8_group: int, block_m: int = 16) -> bool:
             and block_m <= GROUPED_MAX_BLOCK_M)
 
 
+@dataclass(frozen=True)
+class TmaPlan:
+    """The host's decision on the FP8 TMA path for one launch: ``use`` it or not, the
+    ``num_stages`` to compile with when used, and why (``reason``: the first constraint
+    that failed, or what was decided)."""
+
+    use: bool
+    num_stages: int
+    reason: str
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _device_capability(device: torch.device) -> Optional[tuple]:
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fp8_tma_plan(kv_cache: torch.Tensor, *, rank: int, rope_dim: int, fp8_group: int, block_m: int,
+                 block_n: int, num_stages: int, capability: Optional[tuple] = None) -> TmaPlan:
+    """Whether the FP8 decode fetches its cache tiles through TMA descriptors (module doc,
+    "TMA path"), and with how many pipeline stages. Host-side and static (shapes, strides,
+    alignment, device): a captured graph's kernel choice depends only on capture-time facts.
+
+    ``capability``: the device's compute capability; None reads it from ``kv_cache``'s device
+    (None for a CPU tensor). Passing it lets tests ask what a CUDA device would get.
+    Every constraint of the path is checked here; the first that fails is the ``reason``
+    and the pointer path runs instead.
+    """
+    def no(reason: str) -> TmaPlan:
+        return TmaPlan(False, num_stages, reason)
+
+    if kv_cache.dtype != torch.uint8:
+        return no("not an FP8 cache")
+    if not FP8_TMA:
+        return no("FP8_TMA is off")
+    if TensorDescriptor is None:
+        return no("this Triton has no triton.tools.tensor_descriptor")
+    cap = capability if capability is not None else _device_capability(kv_cache.device)
+    if not FP8_TMA_ANY_DEVICE and (cap is None or tuple(cap) < (9, 0)):
+        return no(f"device without TMA (compute capability {cap})")
+    if block_m > TMA_MAX_BLOCK_M:
+        return no(f"block_m {block_m} > TMA_MAX_BLOCK_M {TMA_MAX_BLOCK_M}")
+    if kv_cache.dim() != 3 or not kv_cache.is_contiguous():
+        return no("cache not a contiguous [num_blocks, page_size, bytes_per_token] tensor")
+    nb, page, token = kv_cache.shape
+    ng = rank // fp8_group if fp8_group > 0 else 0
+    if ng < 1 or rank % fp8_group or token != rank + 4 * ng + 2 * rope_dim:
+        return no("token layout is not codes + fp32 scales + bf16 rope")
+    # a tile of block_n keys must lie inside one page: tiles start at multiples of block_n
+    # within a request (planner), so block_n | page_size suffices
+    if page % block_n:
+        return no(f"page_size {page} not a multiple of block_n {block_n}")
+    if block_n > 256:
+        return no(f"block_n {block_n} > 256 rows")
+    if nb * page >= 2 ** 31:
+        return no("more than 2**31 cache rows (TMA coordinates are int32)")
+    # TMA: 16-byte aligned base, row strides of 16-byte multiples, boxes >= 16 bytes wide
+    # starting at 16-byte aligned columns (the interpreter checks the same)
+    if kv_cache.data_ptr() % 16:
+        return no("cache base not 16-byte aligned")
+    if token % 16:
+        return no(f"bytes per token {token} not a multiple of 16")
+    # (both code box widths are checked: the launcher picks the grouped or dequantise path)
+    for what, nbytes in (("code quarter", rank // 4), ("code row", rank), ("scale row", 4 * ng),
+                         ("rope row", 2 * rope_dim)):
+        if nbytes < 16 or nbytes & (nbytes - 1):
+            return no(f"{what} of {nbytes} bytes: a TMA box needs a power of two >= 16 bytes")
+    if rank % 16 or (rank + 4 * ng) % 16:
+        return no("scale or rope columns not 16-byte aligned in the token")
+    stages = num_stages if num_stages >= 2 else FP8_TMA_STAGES
+    fit = max(2, FP8_TMA_SMEM_BUDGET // (block_n * token))
+    if stages > fit:
+        return TmaPlan(True, fit, f"TMA, num_stages {stages} cut to {fit} (FP8_TMA_SMEM_BUDGET)")
+    return TmaPlan(True, stages, f"TMA, num_stages {stages}")
+
+
+def _fp8_tma_descriptors(kv_cache: torch.Tensor, *, rank: int, rope_dim: int, fp8_group: int, block_n: int,
+                         grouped: bool) -> tuple:
+    """Three descriptors over dtype views of the same cache, seen as ``[rows, token bytes]``
+    (``rows = num_blocks * page_size``), each limited to its region of a token: uint8 codes
+    ``[rows, rank]`` (boxes of a latent quarter on the grouped path, of the whole row on the
+    dequantise path — Triton splits a box wider than the hardware's 256 elements into
+    several copies), fp32 scales ``[rows, rank/4 + groups]`` (box: the row's ``groups``
+    words at column ``rank/4``) and bf16 rope ``[rows, (rank + 4 groups)/2 + rope]`` (box at
+    column ``(rank + 4 groups)/2``)."""
+    nb, page, token = kv_cache.shape
+    rows = nb * page
+    ng = rank // fp8_group
+    flat = kv_cache.view(rows, token)
+    f32 = flat.view(torch.float32)
+    b16 = flat.view(torch.bfloat16)
+    codes = TensorDescriptor(flat, shape=[rows, rank], strides=[token, 1],
+                             block_shape=[block_n, rank // 4 if grouped else rank])
+    scales = TensorDescriptor(f32, shape=[rows, rank // 4 + ng], strides=[token // 4, 1], block_shape=[block_n, ng])
+    rope = TensorDescriptor(b16, shape=[rows, (rank + 4 * ng) // 2 + rope_dim], strides=[token // 2, 1],
+                            block_shape=[block_n, rope_dim])
+    return codes, scales, rope
+
+
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
-                         out_ptr, lse_ptr, po_ptr, plse_ptr,
+                         out_ptr, lse_ptr, po_ptr, plse_ptr, codes_desc, scales_desc, rope_desc,
                          bt_stride, partial_cap, qk_scale, SQ, H, PAGE,
                          RANK: tl.constexpr, ROPE: tl.constexpr,
                          GROUP: tl.constexpr, TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                          DOT_PREC: tl.constexpr, FP8_PREFETCH: tl.constexpr, GROUPED: tl.constexpr,
-                         TWIN: tl.constexpr, K_EVICT: tl.constexpr):
+                         TWIN: tl.constexpr, K_EVICT: tl.constexpr, USE_TMA: tl.constexpr):
     pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)
     ROWS = SQ * H
@@ -142,6 +333,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
     # P * scale is taken 2**8 larger (out of fp16's subnormals) and acc 2**-8 at the end
     PV_SCALE: tl.constexpr = 256.0
     INV_PV_SCALE: tl.constexpr = 0.00390625
+    # TMA path: columns of the scale words (fp32 view) and of the rope (bf16 view) in a token
+    SC_COL: tl.constexpr = RANK // 4
+    ROPE_COL: tl.constexpr = ROPE_OFF // 2
 
     b_first = tl.load(part_ptr + pid_p * 3 + 0)
     t_first = tl.load(part_ptr + pid_p * 3 + 1)
@@ -227,7 +421,39 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
             kv_ok = offs_n < seq_len
             # ---- this tile's keys (masked keys load as 0: codes, scales and rope)
             if FP8:
-                if FP8_PREFETCH:
+                if USE_TMA:
+                    # -- key positions -> cache rows: the tile is one box of rows of one page
+                    #    (host: block_n | page_size). Its first key decides the page; the mask
+                    #    only guards a stale plan (a tile past seq_len reads page 0, all masked).
+                    n0 = tile * BLOCK_N
+                    page_id = tl.load(bt_row + n0 // PAGE, mask=n0 < seq_len, other=0)
+                    row0 = page_id * PAGE + n0 % PAGE
+                    # The boxes hold every row of the tile, keys past seq_len too (the fuzzer
+                    # poisons them with NaN): zero codes, scales and rope of those rows, as the
+                    # pointer path's masked loads do (other=0), or 0 * NaN reaches P @ V.
+                    k_rope = rope_desc.load([row0, ROPE_COL])
+                    k_rope = tl.where(kv_ok[:, None], k_rope, tl.zeros_like(k_rope))
+                    sc_all = scales_desc.load([row0, SC_COL])
+                    sc_all = tl.where(kv_ok[:, None], sc_all, 0.0)
+                    if GROUPED:
+                        k0 = codes_desc.load([row0, 0])
+                        k1 = codes_desc.load([row0, QW])
+                        k2 = codes_desc.load([row0, 2 * QW])
+                        k3 = codes_desc.load([row0, 3 * QW])
+                        k0 = tl.where(kv_ok[:, None], k0, tl.zeros_like(k0))
+                        k1 = tl.where(kv_ok[:, None], k1, tl.zeros_like(k1))
+                        k2 = tl.where(kv_ok[:, None], k2, tl.zeros_like(k2))
+                        k3 = tl.where(kv_ok[:, None], k3, tl.zeros_like(k3))
+                        # quarter j's scale word: column Gj of the [BLOCK_N, NG] box (no slicing
+                        # in Triton: a masked row sum over NG words)
+                        sc0 = tl.sum(tl.where(offs_g[None, :] == 0, sc_all, 0.0), axis=1)
+                        sc1 = tl.sum(tl.where(offs_g[None, :] == G1, sc_all, 0.0), axis=1)
+                        sc2 = tl.sum(tl.where(offs_g[None, :] == G2, sc_all, 0.0), axis=1)
+                        sc3 = tl.sum(tl.where(offs_g[None, :] == G3, sc_all, 0.0), axis=1)
+                    else:
+                        codes_now = codes_desc.load([row0, 0])
+                        codes_now = tl.where(kv_ok[:, None], codes_now, tl.zeros_like(codes_now))
+                elif FP8_PREFETCH:
                     kv_row = cur_row
                     nxt_n = offs_n + BLOCK_N
                     nxt_ok = (nxt_n < seq_len) & ((offs_nb * 0 + tile + 1) < t1)
@@ -317,8 +543,11 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                     # [BLOCK_N, groups, group] view (a per-element gather of the scale words was
                     # measured 2-3x slower on an H200, benchmarks/results)
                     vals = codes_now.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                    scale_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
-                    sc = tl.load(scale_row[:, None] + offs_g[None, :], mask=kv_ok[:, None], other=0.0)
+                    if USE_TMA:
+                        sc = sc_all
+                    else:
+                        scale_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
+                        sc = tl.load(scale_row[:, None] + offs_g[None, :], mask=kv_ok[:, None], other=0.0)
                     k_lat = tl.reshape(tl.reshape(vals, (BLOCK_N, NG, GROUP)) * sc[:, :, None], (BLOCK_N, RANK))
                     k_lat = k_lat.to(q_lat.dtype)
                     s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
@@ -411,23 +640,35 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     ``fp8_grouped`` (``DecodeConfig.fp8_grouped``) and ``fp8_grouped_dots(rank, fp8_group, block_m)``
     (module doc), else the dequantise path;
     ``fp8_prefetch`` applies to both and is ignored for 16-bit caches.
+    Where ``fp8_tma_plan`` allows it, FP8 tiles come through TMA descriptors made here from
+    ``kv_cache`` (module doc, "TMA path"); ``fp8_prefetch`` and twin loads are then off and
+    the kernel is compiled with the plan's ``num_stages``.
     """
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = triton.cdiv(s_q * h, block_m)
     fp8 = kv_cache.dtype == torch.uint8
-    prefetch = bool(fp8_prefetch) and fp8
     grouped = fp8 and bool(fp8_grouped) and fp8_grouped_dots(rank, fp8_group, block_m)
-    twin = grouped and not prefetch and num_stages >= 2 and block_m <= 32 and bool(FP8_TWIN_LOADS)
+    tma = fp8_tma_plan(kv_cache, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m,
+                       block_n=block_n, num_stages=num_stages) if fp8 else None
+    use_tma = tma is not None and tma.use
+    if use_tma:
+        descs = _fp8_tma_descriptors(kv_cache, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group,
+                                     block_n=block_n, grouped=grouped)
+        num_stages = tma.num_stages
+    else:
+        descs = (kv_cache, kv_cache, kv_cache)  # placeholders: the pointer path never reads them
+    prefetch = bool(fp8_prefetch) and fp8 and not use_tma
+    twin = grouped and not prefetch and not use_tma and num_stages >= 2 and block_m <= 32 and bool(FP8_TWIN_LOADS)
     page = kv_cache.shape[1]
     grid = (num_parts, m_blocks)
     _decode_split_kernel[grid](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
-        out, lse, partial_o, partial_lse,
+        out, lse, partial_o, partial_lse, *descs,
         block_table.shape[1], partial_o.shape[0], float(softmax_scale) * _LOG2E, s_q, h, page,
         RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
         FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32,
         # None: Triton's default precision (only fp32 operands care, and those come with DOT_F32)
         DOT_PREC="ieee" if dot_f32 else None,
         FP8_PREFETCH=prefetch, GROUPED=grouped, TWIN=twin, K_EVICT="evict_last" if twin else "",
-        num_warps=num_warps, num_stages=num_stages)
+        USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
