@@ -32,7 +32,9 @@ _INTERPRETER_RELAXED = False
 
 def interpreter_release_semantics() -> None:
     """Make Triton's interpreter check integer overflow as a GPU release build does (not at
-    all), and skip its redundant re-patching on nested jit calls (``_skip_nested_repatching``).
+    all), skip its redundant re-patching on nested jit calls (``_skip_nested_repatching``)
+    and cache its per-op type bookkeeping (``_cache_interpreter_types``; numerics unchanged,
+    ``MLA_FUZZ_PLAIN_INTERPRETER=1`` turns that part off).
 
     The interpreter runs with ``sanitize_overflow`` on and *executes* the check it implies
     on every int32 ``+``/``-``/``*`` (an int64 recomputation, two comparisons and a device
@@ -55,6 +57,7 @@ def interpreter_release_semantics() -> None:
     except Exception:  # pragma: no cover - another Triton layout: keep its defaults
         pass
     _skip_nested_repatching()
+    _cache_interpreter_types()
 
 
 def _skip_nested_repatching() -> None:
@@ -84,6 +87,272 @@ def _skip_nested_repatching() -> None:
         _interp._patch_lang = patch_lang
     except Exception:  # pragma: no cover - another Triton layout: keep its behaviour
         pass
+
+
+# Set MLA_FUZZ_PLAIN_INTERPRETER=1 (before the first launch) to run Triton's interpreter
+# without ``_cache_interpreter_types`` -- to rule it out when chasing an odd result; the
+# test-suite also uses it to check that results are bit-identical either way.
+PLAIN_INTERPRETER_ENV = "MLA_FUZZ_PLAIN_INTERPRETER"
+
+
+def _cache_interpreter_types() -> None:
+    """Cache the type bookkeeping the interpreter redoes for every op it executes.
+
+    An interpreted op on the fuzzer's tiny tiles spends ~1-3% of its time in numpy and the
+    rest in Python objects that describe the result: a ``block_type`` (shape re-validated,
+    a ``tl.tuple`` and its ``tuple_type`` rebuilt, the name formatted), the ``tensor``
+    wrapping it (one ``constexpr`` per dim and for numel, another ``tl.tuple``), the numpy
+    dtype looked up in a dict rebuilt on each call (``_get_np_dtype``), ``_unwrap_if_constexpr``
+    on every argument, dtype equality and ``is_int`` (a list concatenation per call), the
+    implicit-cast and broadcast checks of two operands of one dtype and shape (a
+    ``tl.tuple`` compared with a list through ``constexpr`` equality), the ``@builtin``
+    wrapper between each patched builtin and its function, and after each launch a copy of
+    every argument's storage onto itself (host and device are one storage on CPU). Those
+    were about half of an interpreted fuzz step (cProfile, tiny spec).
+
+    Each is replaced by a version that caches what depends only on the shape or dtype name
+    and builds equal objects: a fresh ``tl.tuple`` per object (it can be mutated), only the
+    immutable leaves (``constexpr`` dims, ``tuple_type``) shared; or that takes a shortcut
+    whose result Triton's rules fix (equal dtypes: no cast; equal shapes: no broadcast).
+    Anything off the fast path (a non-int dim, a pointer operand, an unknown class) goes to
+    Triton's own code, so errors are Triton's. Numerics are untouched: the same numpy
+    operations run, minus identity broadcasts and self-copies, and
+    ``tests/test_interpreter_speedups.py`` checks forwards bit for bit against the plain
+    interpreter.
+    """
+    if os.environ.get(PLAIN_INTERPRETER_ENV, "0") not in ("", "0"):
+        return
+    try:
+        import builtins
+
+        import numpy as np
+        import triton.language.core as core
+        from triton import _utils
+        from triton.runtime import interpreter as _interp
+
+        if getattr(core.block_type.__init__, "_mla_fuzz", False):
+            return
+        constexpr, tl_tuple, block_type, tensor = core.constexpr, core.tuple, core.block_type, core.tensor
+        pointer_type, dtype_cls = core.pointer_type, core.dtype
+        new_tuple = tl_tuple.__new__
+
+        # -- _get_np_dtype: its result depends on the dtype's name only (the table's keys
+        # compare by name); pointers (and blocks of them) are uint64
+        orig_np_dtype = _interp._get_np_dtype
+        np_by_name: dict = {}
+        u64 = np.dtype(np.uint64)
+
+        def get_np_dtype(tt):
+            cls = type(tt)
+            if cls is block_type:
+                tt = tt.element_ty
+                cls = type(tt)
+            if cls is pointer_type:
+                return u64
+            if cls is dtype_cls:
+                r = np_by_name.get(tt.name)
+                if r is None:
+                    r = np_by_name[tt.name] = orig_np_dtype(tt)
+                return r
+            return orig_np_dtype(tt)
+
+        # -- _unwrap_if_constexpr: the classes it returns unchanged, decided by exact type
+        orig_unwrap = core._unwrap_if_constexpr
+        passthrough = frozenset({int, float, bool, str, type(None), tensor, dtype_cls, block_type, pointer_type})
+
+        def unwrap_if_constexpr(o):
+            cls = type(o)
+            if cls is constexpr:
+                return o.value
+            if cls in passthrough:
+                return o
+            return orig_unwrap(o)
+
+        def fresh_tuple(values, ttype):
+            t = new_tuple(tl_tuple)
+            t.values = list(values)
+            t.type = ttype
+            return t
+
+        def int_key(values):
+            for d in values:
+                if type(d) is not int:
+                    return None
+            return builtins.tuple(values)
+
+        # What a tensor of a given shape holds: numel and one constexpr per dim (shared,
+        # immutable) and the tuple type of those dims. Stashed on each block type built
+        # below (``_mla_t``), so a tensor of that type finds it with one attribute read;
+        # scalar types take the class default, the entry of shape ().
+        tensor_shapes: dict = {}
+
+        def tensor_entry(key):
+            ent = tensor_shapes.get(key)
+            if ent is None:
+                dims = [constexpr(s) for s in key]
+                ent = tensor_shapes[key] = (constexpr(_prod(key)), dims, core._type_for_tuple_values(dims))
+            return ent
+
+        # -- block_type(element_ty, shape): shape checks, tuple type and text per shape
+        orig_block_init = block_type.__init__
+        block_shapes: dict = {}
+
+        def block_init(self, element_ty, shape):
+            cls = type(shape)
+            key = int_key(shape if cls is list else shape.values) if cls is list or cls is tl_tuple else None
+            ent = block_shapes.get(key) if key else None
+            if ent is None:
+                if not key:  # not a non-empty list of ints: Triton's path (and its errors)
+                    return orig_block_init(self, element_ty, shape)
+                numel = _utils.validate_block_shape(key)
+                ttype = core._type_for_tuple_values(list(key))
+                ent = block_shapes[key] = (numel, ttype, str(fresh_tuple(key, ttype)), tensor_entry(key))
+            numel, ttype, text, self._mla_t = ent
+            self.element_ty = element_ty
+            t = new_tuple(tl_tuple)
+            t.values = list(key)
+            t.type = ttype
+            self.shape = t
+            self.numel = numel
+            self.name = f'<{text}, {element_ty}>'
+
+        # -- tensor(handle, type)
+        orig_tensor_init = tensor.__init__
+
+        def tensor_init(self, handle, type):
+            ent = type._mla_t
+            if ent is None:  # a block type built by Triton's own __init__ (or another class)
+                shape = type.shape if type.is_block() else ()
+                key = () if shape == () else (int_key(shape.values) if builtins.type(shape) is tl_tuple else None)
+                if key is None:
+                    return orig_tensor_init(self, handle, type)
+                ent = tensor_entry(key)
+            numel, dims, ttype = ent
+            self.handle = handle
+            self.numel = numel
+            self.type = type
+            self.dtype = type.scalar
+            t = new_tuple(tl_tuple)
+            t.values = list(dims)
+            t.type = ttype
+            self.shape = t
+
+        # -- dtype equality and is_int: by name, as Triton's (which unwraps a constexpr
+        # first, and rebuilds a list of the integer type names on every is_int call)
+        orig_dtype_eq = dtype_cls.__eq__
+        int_names = frozenset(dtype_cls.SINT_TYPES + dtype_cls.UINT_TYPES)
+        dtype_classes = frozenset({dtype_cls, block_type, pointer_type})
+
+        def dtype_eq(self, other):
+            if type(other) in dtype_classes:
+                return self.name == other.name
+            return orig_dtype_eq(self, other)
+
+        def dtype_is_int(self):
+            return self.name in int_names
+
+        # -- broadcasting two blocks of one shape is the identity (Triton's check compares
+        # a tl.tuple with a list through constexpr equality before concluding so)
+        from triton.language.semantic import TritonSemantic
+        orig_broadcast = TritonSemantic.broadcast_impl_value
+
+        def broadcast_impl_value(self, lhs, rhs):
+            lt, rt = lhs.type, rhs.type
+            if type(lt) is block_type and type(rt) is block_type:
+                ls, rs = lt.shape, rt.shape
+                if type(ls) is tl_tuple and type(rs) is tl_tuple and ls.values == rs.values:
+                    return lhs, rhs
+            return orig_broadcast(self, lhs, rhs)
+
+        # -- two tensors of one non-pointer dtype: the computation type is that dtype
+        # (computation_type_impl of equal types), so the casts are no-ops and only the
+        # broadcast remains; except a floating div/mod, promoted to fp32 by Triton's rules
+        orig_binary_check = TritonSemantic.binary_op_type_checking_impl
+
+        def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
+                                         arithmetic_check=True, div_or_mod=False):
+            if type(lhs) is tensor and type(rhs) is tensor:
+                ld, rd = lhs.dtype, rhs.dtype
+                if type(ld) is dtype_cls and type(rd) is dtype_cls and ld.name == rd.name and not (
+                        div_or_mod and ld.is_floating()):
+                    return self.broadcast_impl_value(lhs, rhs)
+            return orig_binary_check(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+        # -- TensorHandle's size check (numpy item bits <= the dtype's, 8 at least): per
+        # (itemsize, dtype name); pointers always pass
+        orig_validate = _interp._validate_np_data_size
+        size_ok: dict = {}
+
+        def validate_np_data_size(np_array, tl_dtype):
+            if type(tl_dtype) is dtype_cls:
+                key = (np_array.itemsize, tl_dtype.name)
+                r = size_ok.get(key)
+                if r is None:
+                    r = size_ok[key] = orig_validate(np_array, tl_dtype)
+                return r
+            return orig_validate(np_array, tl_dtype)
+
+        # -- the launch's patched language builtins: call the builtin's function directly
+        # instead of through its ``@builtin`` wrapper, whose only job is to refuse a call
+        # without ``_semantic`` (the interpreter always passes one)
+        orig_patch_attr = _interp._patch_attr
+        builtin_code = core.builtin(lambda _semantic=None: None).__code__
+        semantic = _interp.interpreter_semantic
+
+        def patch_attr(obj, name, member, builder, scope):
+            fn = getattr(member, "__wrapped__", None)
+            if fn is None or getattr(member, "__code__", None) is not builtin_code:
+                return orig_patch_attr(obj, name, member, builder, scope)
+
+            def new_member(*args, **kwargs):
+                kwargs.pop("_semantic", None)
+                return fn(*args, **kwargs, _semantic=semantic)
+
+            scope.set_attr(obj, name, new_member)
+
+        # -- after a launch the interpreter copies each argument's host storage back to the
+        # device storage; on CPU they are the same storage, so the copy (of the whole KV
+        # cache, every launch) is memory onto itself: skipped when every pair is one storage
+        orig_restore = _interp.GridExecutor._restore_args_dev
+        unwrap_tensor = _interp._unwrap_tensor
+
+        def restore_args_dev(self, args_dev, args_hst, kwargs, kwargs_hst):
+            pairs = list(zip(args_dev, args_hst)) + [(kwargs[k], kwargs_hst[k]) for k in kwargs]
+            for dev, hst in pairs:
+                if hasattr(dev, "data_ptr"):
+                    sd, sh = unwrap_tensor(dev).untyped_storage(), unwrap_tensor(hst).untyped_storage()
+                    if sd.data_ptr() != sh.data_ptr() or sd.nbytes() != sh.nbytes() or sd.device != sh.device:
+                        return orig_restore(self, args_dev, args_hst, kwargs, kwargs_hst)
+                elif not isinstance(dev, (int, float, bool, str, type(None))):
+                    return orig_restore(self, args_dev, args_hst, kwargs, kwargs_hst)
+            return None
+
+        for f in (get_np_dtype, unwrap_if_constexpr, block_init, tensor_init, dtype_eq, dtype_is_int,
+                  broadcast_impl_value, binary_op_type_checking_impl, validate_np_data_size, patch_attr,
+                  restore_args_dev):
+            f._mla_fuzz = True
+        _interp._validate_np_data_size = validate_np_data_size
+        _interp._patch_attr = patch_attr
+        _interp.GridExecutor._restore_args_dev = restore_args_dev
+        _interp._get_np_dtype = get_np_dtype
+        core._unwrap_if_constexpr = unwrap_if_constexpr
+        block_type.__init__ = block_init
+        dtype_cls._mla_t = tensor_entry(())
+        block_type._mla_t = None
+        tensor.__init__ = tensor_init
+        dtype_cls.__eq__ = dtype_eq
+        dtype_cls.is_int = dtype_is_int
+        TritonSemantic.broadcast_impl_value = broadcast_impl_value
+        TritonSemantic.binary_op_type_checking_impl = binary_op_type_checking_impl
+    except Exception:  # pragma: no cover - another Triton layout: keep its behaviour
+        pass
+
+
+def _prod(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
 
 
 def next_pow2(n: int) -> int:

@@ -1,0 +1,87 @@
+"""``kernels.config``'s speed-ups of Triton's interpreter change no result.
+
+``_cache_interpreter_types`` replaces some of the interpreter's per-op bookkeeping with
+cached equivalents; every forward of a set of scenarios (dense bf16/fp16/fp8, sparse with
+and without the on-device indexer, whole layer steps, FP8 output; graphs captured, replayed
+with poisoned padding) must give the same bytes with it as with Triton's interpreter as
+shipped. Each side runs in its own process: the patches last for a process's lifetime.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.config import PLAIN_INTERPRETER_ENV, interpreting
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="checks Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+def _outputs(tmp_path, name: str, plain: bool) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env.pop(PLAIN_INTERPRETER_ENV, None)
+    if plain:
+        env[PLAIN_INTERPRETER_ENV] = "1"
+    path = tmp_path / f"{name}.pt"
+    subprocess.run([sys.executable, os.path.join(HERE, "interp_outputs.py"), str(path)], cwd=ROOT, env=env,
+                   check=True, timeout=600)
+    return torch.load(path)
+
+
+def test_cached_interpreter_types_are_bit_identical(tmp_path):
+    fast = _outputs(tmp_path, "fast", plain=False)
+    plain = _outputs(tmp_path, "plain", plain=True)
+    assert fast["patched"] and not plain["patched"], "the switch did not select the two interpreters"
+    assert len(fast["outs"]) == len(plain["outs"]) > 20
+    for i, (a, b) in enumerate(zip(fast["outs"], plain["outs"])):
+        assert torch.equal(a, b), f"forward output {i} differs with the cached interpreter types"
+
+
+def test_speedups_are_installed_by_a_cpu_launch():
+    """The kernel wrappers' device check installs them (this process runs interpreted)."""
+    import triton.language.core as core
+    from triton.runtime import interpreter
+
+    from kernels.checks import check_device
+
+    if os.environ.get(PLAIN_INTERPRETER_ENV, "0") not in ("", "0"):
+        pytest.skip(f"{PLAIN_INTERPRETER_ENV} is set")
+    check_device(torch.device("cpu"))
+    assert getattr(core.tensor.__init__, "_mla_fuzz", False)
+    assert getattr(core.block_type.__init__, "_mla_fuzz", False)
+    assert getattr(interpreter._get_np_dtype, "_mla_fuzz", False)
+    assert getattr(interpreter._patch_lang, "_mla_fuzz", False)
+
+
+def test_cached_block_type_matches_triton():
+    """Field by field: what the cached ``block_type`` / ``tensor`` constructors build equals
+    what Triton's own code builds, and bad shapes still get Triton's errors."""
+    import triton.language as tl
+    import triton.language.core as core
+
+    from kernels.checks import check_device
+
+    check_device(torch.device("cpu"))
+    if not getattr(core.block_type.__init__, "_mla_fuzz", False):
+        pytest.skip("speed-ups not installed")
+    fast = core.block_type(tl.float32, [16, 32])
+    ref = core.block_type.__new__(core.block_type)
+    # Triton's __init__, reached through the fallback path: a tl.tuple holding a constexpr dim
+    core.block_type.__init__(ref, tl.float32, core.tuple([core.constexpr(16), 32]))
+    assert fast == ref and fast.name == ref.name and fast.numel == ref.numel
+    assert list(fast.shape) == list(ref.shape) and fast.shape.type.name == ref.shape.type.name
+    t_fast = core.tensor(None, fast)
+    t_ref = core.tensor(None, ref)
+    assert [d.value for d in t_fast.shape] == [d.value for d in t_ref.shape] == [16, 32]
+    assert t_fast.numel.value == t_ref.numel.value == 512 and t_fast.dtype == t_ref.dtype == tl.float32
+    assert t_fast.shape is not t_ref.shape and t_fast.shape.values is not fast.shape.values
+    with pytest.raises(ValueError, match="power of 2"):
+        core.block_type(tl.float32, [3])
+    with pytest.raises(TypeError):
+        core.block_type(tl.float32, [])
+    with pytest.raises(TypeError):
+        core.block_type(tl.float32, [16.0])
