@@ -6,7 +6,11 @@ user's FlashMLA wrapper), the data pointer, shape, strides and contiguity of eve
 argument. That log is the evidence behind three oracles and their diagnoses:
 
 - address audit (oracle 4): which tensors a captured graph actually reads;
-- contiguity audit (oracle 5): a kernel handed a non-contiguous view (vLLM #42135);
+- contiguity audit (oracle 5): a kernel handed a non-contiguous view (vLLM #42135), or
+  ``as_strided`` applied to one: it addresses the view's storage with strides of its own,
+  ignoring the view's, i.e. it reads the view flat exactly as a kernel would (a backend
+  that re-reads a metadata view with device-side strides, as the sparse path's
+  per-token context lengths do);
 - laziness diagnosis: the planner op missing from the capture's op list (vLLM #42444).
 
 It works under real CUDA graph capture and under the emulator alike, because it sits
@@ -21,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _BUILTIN_NAMESPACES = ("aten", "prim", "prims", "_c10d_functional", "profiler")
+# builtin ops that read their input's storage flat, as a kernel does
+_FLAT_READS = ("aten::as_strided",)
 
 
 @dataclass
@@ -35,6 +41,8 @@ class KernelCall:
 class OpLog:
     ops: list[str] = field(default_factory=list)
     kernels: list[KernelCall] = field(default_factory=list)
+    # builtin flat reads (``_FLAT_READS``) of non-contiguous tensors: shape, strides
+    flat_reads: list[tuple[str, tuple, tuple]] = field(default_factory=list)
 
     @property
     def custom_ops(self) -> list[str]:
@@ -45,12 +53,15 @@ class OpLog:
         return {t[1] for k in self.kernels for t in k.tensors}
 
     def noncontiguous(self) -> list[str]:
-        """Human-readable list of non-contiguous tensors handed to custom kernels."""
+        """Human-readable list of non-contiguous tensors handed to custom kernels or read
+        flat by a builtin (``as_strided``)."""
         out = []
         for k in self.kernels:
             for idx, _ptr, shape, stride, contig in k.tensors:
                 if not contig:
                     out.append(f"{k.op} argument #{idx}: shape {list(shape)} strides {list(stride)}")
+        for op, shape, stride in self.flat_reads:
+            out.append(f"{op} (reads its input flat) of a view with shape {list(shape)} strides {list(stride)}")
         return out
 
 
@@ -80,6 +91,8 @@ class OpAudit(TorchDispatchMode):
                 for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
             ]
             self.log.kernels.append(KernelCall(name, tensors))
+        elif name in _FLAT_READS and args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+            self.log.flat_reads.append((name, tuple(args[0].shape), tuple(args[0].stride())))
         return func(*args, **kwargs)
 
 

@@ -92,6 +92,41 @@ def test_op_audit_logs_custom_ops_with_contiguity():
     assert view.data_ptr() in log.read_ptrs()
 
 
+def test_op_audit_flags_as_strided_of_a_noncontiguous_view():
+    """``as_strided`` addresses its input's storage with strides of its own: on a
+    non-contiguous view that is a flat read, the hazard of oracle 5; on a contiguous one, or
+    for ordinary view ops and copies of a non-contiguous view, nothing is flagged."""
+    buf = torch.arange(12, dtype=torch.int32).reshape(4, 3)
+    view = buf[:, :2]
+    log = OpLog()
+    with OpAudit(log):
+        flat = view.as_strided((8,), (1,))
+        buf[:2].as_strided((6,), (1,))
+        view.t().contiguous().sum()
+        view[1:, :1].clone()
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # the storage, not the view's elements
+    assert len(log.noncontiguous()) == 1, log.noncontiguous()
+    assert "as_strided" in log.noncontiguous()[0] and "[4, 2]" in log.noncontiguous()[0]
+    assert not log.kernels, "a builtin flat read is not a custom-op call"
+
+
+def test_noncontig_context_lens_on_the_sparse_path_is_a_contiguity_failure():
+    """The mutant's non-contiguous ``[pad, width]`` context-lens view reaches the sparse path
+    through ``as_strided`` (no kernel argument is non-contiguous there), which the audit now
+    names: the step fails the contiguity oracle, not the reference comparison (found as
+    ``numerical`` on an H100 before, benchmarks/results/h100-2026-11-26-gpu-validate-2.json)."""
+    from harness.executor import run_steps
+    from harness.mutants import ALL
+
+    cfg = _cfg(sparse=True, topk=16, capture_sizes=[1, 2, 8], next_n=2, max_pages_per_seq=8)
+    batch = {"seed": 3, "seq_lens": [20, 31, 11, 0], "q_lens": [1, 1, 1, 0], "max_decode_len": 1}
+    steps = [{"op": "eager", "batch": batch, "pad_to": 8, "poison": False}]
+    failure = run_steps(ALL["noncontig-context-lens"], cfg, steps, graph_mode="emulated")
+    assert failure is not None and failure.oracle == "contiguity", failure
+    assert "as_strided" in failure.message
+    assert run_steps(ALL["noncontig-context-lens"].__mro__[1], cfg, steps, graph_mode="emulated") is None
+
+
 def _cfg(**kw):
     base = dict(spec=ModelSpec.tiny(4).to_dict(), page_size=4, max_pages_per_seq=4, capture_sizes=[2, 4],
                 next_n=2, seed=5)
