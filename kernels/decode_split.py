@@ -80,7 +80,10 @@ What it bought on an H100 was small (``benchmarks/results/h100-2026-11-26-fp8-tm
 Compute on the 16-row kernel (B=128, L=4k) shows 255 registers per thread with heavy local
 spilling, one 8-warp program per SM, an issue slot busy 30% of cycles, and about 12 warp
 instructions per 32 cached codes (conversion, scaling and layout shuffles) — the per-tile
-ALU and register work, not the memory system, sets its 30% of copy bandwidth.
+ALU and register work, not the memory system, sets its 30% of copy bandwidth. With TMA and
+8 warps the 16-row kernel no longer spills (254 registers, 0 spills) and runs no faster;
+no swept alternative (block_n 32/64, 4/8 warps, 3-6 stages, either FP8 path) beat the
+shipped configs (``h100-2026-11-26-fp8-tma-sweep.json``).
 
 - Geometry: a tile of ``BLOCK_N`` keys starts at a multiple of ``BLOCK_N`` within its
   request (planner), so when ``BLOCK_N`` divides ``page_size`` it lies inside one page and
