@@ -120,7 +120,7 @@ def new_launcher(block_p, num_warps):
         planner_mod._planner_kernel[(part_progs + req_progs,)](
             cache_seqlens, part_info, num_splits, split_offsets, B,
             NUM_PARTS=num_parts, PART_PROGS=part_progs, BLOCK_P=block_p, BLOCK_B=block_b,
-            BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, num_warps=num_warps)
+            BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, FUSED=0, num_warps=num_warps)
     return launch
 
 

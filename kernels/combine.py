@@ -2,10 +2,15 @@
 
 Grid ``(B, ceil(s_q*h / BLOCK_M))`` — fixed by the padded batch size. Per request:
 
-- ``num_splits == 1``: the decode kernel already wrote the final rows; nothing to do;
-- ``num_splits >= 2``: log-sum-exp merge of its pieces' partials;
-- ``num_splits == 0`` (seq_len 0, e.g. a padded row): out 0, lse -inf written explicitly,
-  so no output row is ever left uninitialised.
+- ``num_splits == 1``: the decode kernel already wrote the final rows; the program
+  returns after loading ``num_splits``;
+- ``num_splits >= 2``: log-sum-exp merge of its pieces' partials (pieces past the partial
+  buffer are not read; a request left with none gets 0 / -inf);
+- ``num_splits == 0`` (seq_len 0, e.g. a padded row): out 0, lse -inf written explicitly
+  (without the merge's loops), so no output row is ever left uninitialised.
+
+Most programs are of the first and last kinds (only requests crossed by a cut are split),
+so they are kept short: under the interpreter every executed op costs ~20 us.
 """
 from __future__ import annotations
 
@@ -25,12 +30,24 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
     ROWS = SQ * H
     LN2: tl.constexpr = 0.6931471805599453
     nsplit = tl.load(nsplit_ptr + b)
-    first = tl.load(off_ptr + b)
+    # A request in one piece was written by the decode: nothing to do. Most programs are
+    # these (or padding, below); returning first keeps them to a load and a branch.
+    if nsplit == 1:
+        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < ROWS
     tok = offs_m // H
     head = offs_m % H
     offs_r = tl.arange(0, RANK)
+    out_rows = out_ptr + b * (ROWS * RANK) + offs_m[:, None] * RANK + offs_r[None, :]
+    lse_rows = lse_ptr + b * ROWS + head * SQ + tok
+    if nsplit <= 0:
+        # no keys (seq_len 0, e.g. a padded request): out 0 / lse -inf, the values the
+        # merge below gives with no piece, without its loops and arithmetic
+        tl.store(out_rows, tl.zeros([BLOCK_M, RANK], dtype=out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse_rows, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=row_ok)
+        return
+    first = tl.load(off_ptr + b)
 
     # pieces to merge; clamped to the buffer so a bad plan cannot read past it
     n = tl.where(nsplit > 1, nsplit, 0)
@@ -52,11 +69,8 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
     has_keys = l_sum > 0.0
     o = acc / tl.where(has_keys, l_sum, 1.0)[:, None]
     lse = tl.where(has_keys, (m_ref + tl.log2(tl.where(has_keys, l_sum, 1.0))) * LN2, float("-inf"))
-    # (vector + scalar) first: the interpreter rejects a mask made of `vector & scalar`
-    write = row_ok & ((offs_m * 0 + nsplit) != 1)
-    tl.store(out_ptr + b * (ROWS * RANK) + offs_m[:, None] * RANK + offs_r[None, :],
-             to_out(o, out_ptr.dtype.element_ty), mask=write[:, None])
-    tl.store(lse_ptr + b * ROWS + head * SQ + tok, lse, mask=write)
+    tl.store(out_rows, to_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_rows, lse, mask=row_ok)
 
 
 def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, *, block_m: int) -> None:

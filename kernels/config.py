@@ -108,17 +108,26 @@ def _cache_interpreter_types() -> None:
     ``tl.tuple`` compared with a list through ``constexpr`` equality), the ``@builtin``
     wrapper between each patched builtin and its function, and after each launch a copy of
     every argument's storage onto itself (host and device are one storage on CPU). Those
-    were about half of an interpreted fuzz step (cProfile, tiny spec).
+    were about half of an interpreted fuzz step (cProfile, tiny spec). Then (a second
+    profile, ~25 us an op left): operations between a tensor and a Python int/float (the
+    scalar's type, promotion and splat redone each time), real broadcasts and
+    ``x[:, None]`` (Triton's generic loops), float conversions from bf16/fp8 (~150 us of
+    numpy bit arithmetic a call, also for every ``other=0.0`` of a bf16 load) and the
+    ``inspect.getmembers`` walk of ``triton.language`` at every launch (~1.5 ms).
 
     Each is replaced by a version that caches what depends only on the shape or dtype name
     and builds equal objects: a fresh ``tl.tuple`` per object (it can be mutated), only the
     immutable leaves (``constexpr`` dims, ``tuple_type``) shared; or that takes a shortcut
-    whose result Triton's rules fix (equal dtypes: no cast; equal shapes: no broadcast).
-    Anything off the fast path (a non-int dim, a pointer operand, an unknown class) goes to
-    Triton's own code, so errors are Triton's. Numerics are untouched: the same numpy
-    operations run, minus identity broadcasts and self-copies, and
-    ``tests/test_interpreter_speedups.py`` checks forwards bit for bit against the plain
-    interpreter.
+    whose result Triton's rules fix (equal dtypes: no cast; equal shapes: no broadcast; the
+    computation type of two dtypes); or that computes a value once and reuses it: the
+    splat of a scalar over a block (one read-only array per value, dtype and shape, as
+    read-only as the views ``np.broadcast_to`` already hands the interpreter's ops),
+    conversion tables of Triton's own ``_convert_float`` over every code of a <= 16-bit
+    type, the builtins of each language package. Anything off the fast path (a non-int
+    dim, another rank, an unknown class) goes to Triton's own code, so errors are Triton's.
+    Numerics are untouched: the same numpy operations run (or their results are reused),
+    minus identity broadcasts and self-copies, and ``tests/test_interpreter_speedups.py``
+    checks forwards and a kernel of odd operands bit for bit against the plain interpreter.
     """
     if os.environ.get(PLAIN_INTERPRETER_ENV, "0") not in ("", "0"):
         return
@@ -256,27 +265,143 @@ def _cache_interpreter_types() -> None:
         from triton.language.semantic import TritonSemantic
         orig_broadcast = TritonSemantic.broadcast_impl_value
 
+        #    Blocks of equal rank and int dims whose shapes differ (``a[:, None] * b[None, :]``)
+        #    and a block with a scalar take Triton's steps without its generic loops: the
+        #    same result shape (a mismatch goes to Triton's code for its error), the same
+        #    block types, the same builder calls (``create_broadcast`` / ``create_splat``).
         def broadcast_impl_value(self, lhs, rhs):
             lt, rt = lhs.type, rhs.type
-            if type(lt) is block_type and type(rt) is block_type:
-                ls, rs = lt.shape, rt.shape
-                if type(ls) is tl_tuple and type(rs) is tl_tuple and ls.values == rs.values:
-                    return lhs, rhs
+            lc, rc = type(lt), type(rt)
+            if lc is block_type:
+                ls = lt.shape
+                if rc is block_type:
+                    rs = rt.shape
+                    if type(ls) is tl_tuple and type(rs) is tl_tuple:
+                        lv, rv = ls.values, rs.values
+                        if lv == rv:
+                            return lhs, rhs
+                        ret = broadcast_shape(lv, rv)
+                        if ret is not None:
+                            builder = self.builder
+                            if lv != ret:
+                                lhs = tensor(builder.create_broadcast(lhs.handle, ret), block_type(lt.element_ty, ret))
+                            if rv != ret:
+                                rhs = tensor(builder.create_broadcast(rhs.handle, ret), block_type(rt.element_ty, ret))
+                            return lhs, rhs
+                elif rc in scalar_types and type(ls) is tl_tuple:
+                    ty = block_type(rt, ls.values)
+                    return lhs, tensor(self.builder.create_splat(ty, rhs.handle), ty)
+            elif lc in scalar_types and rc is block_type:
+                rs = rt.shape
+                if type(rs) is tl_tuple:
+                    ty = block_type(lt, rs.values)
+                    return tensor(self.builder.create_splat(ty, lhs.handle), ty), rhs
             return orig_broadcast(self, lhs, rhs)
+
+        scalar_types = frozenset({dtype_cls, pointer_type})
+
+        def broadcast_shape(lv, rv):
+            """The broadcast of two int shapes of one rank, or None (another rank, a non-int
+            dim or a mismatch: Triton's code decides)."""
+            if len(lv) != len(rv):
+                return None
+            ret = []
+            for a, b in zip(lv, rv):
+                if type(a) is not int or type(b) is not int:
+                    return None
+                if a == 1:
+                    ret.append(b)
+                elif b == 1 or a == b:
+                    ret.append(a)
+                else:
+                    return None
+            return ret
 
         # -- two tensors of one non-pointer dtype: the computation type is that dtype
         # (computation_type_impl of equal types), so the casts are no-ops and only the
         # broadcast remains; except a floating div/mod, promoted to fp32 by Triton's rules
         orig_binary_check = TritonSemantic.binary_op_type_checking_impl
 
+        # -- a tensor and a Python int/float (``x * 0.5``, ``offs + 1``, ``tl.where(c, x, 0.0)``):
+        # Triton's steps in Triton's order -- the scalar's type, the computation type, the
+        # casts, the broadcast -- minus the ``numbers.Number`` ABC checks, the pointer checks
+        # that cannot fire and the promotion walk, whose result depends only on the two dtype
+        # names, which side is the scalar and div/mod (cached; a TypeError is not cached and
+        # comes from Triton's own code). Bools and every other class take Triton's path.
+        computation_types: dict = {}
+        py_scalars = (int, float)
+        splats: dict = {}
+        TensorHandle = _interp.TensorHandle
+
         def binary_op_type_checking_impl(self, lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
                                          arithmetic_check=True, div_or_mod=False):
-            if type(lhs) is tensor and type(rhs) is tensor:
-                ld, rd = lhs.dtype, rhs.dtype
-                if type(ld) is dtype_cls and type(rd) is dtype_cls and ld.name == rd.name and not (
-                        div_or_mod and ld.is_floating()):
-                    return self.broadcast_impl_value(lhs, rhs)
+            lt, rt = type(lhs), type(rhs)
+            if lt is tensor:
+                if rt is tensor:
+                    ld, rd = lhs.dtype, rhs.dtype
+                    if type(ld) is dtype_cls and type(rd) is dtype_cls and ld.name == rd.name and not (
+                            div_or_mod and ld.is_floating()):
+                        return self.broadcast_impl_value(lhs, rhs)
+                elif rt in py_scalars:
+                    return scalar_operand(self, lhs, rhs, False, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check,
+                                          div_or_mod)
+            elif rt is tensor and lt in py_scalars:
+                return scalar_operand(self, rhs, lhs, True, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
             return orig_binary_check(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+        def scalar_operand(self, t, v, scalar_left, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod):
+            td = t.dtype
+            sd = self.to_tensor_type(v)
+            tcls = type(td)
+            if tcls is dtype_cls and arithmetic_check:
+                key = (td.name, sd.name, scalar_left, div_or_mod)
+                ret = computation_types.get(key)
+                if ret is None:
+                    if scalar_left:
+                        ret = self.computation_type_impl(sd, True, td, False, div_or_mod)
+                    else:
+                        ret = self.computation_type_impl(td, False, sd, True, div_or_mod)
+                    computation_types[key] = ret
+                pointer = False
+            elif tcls is pointer_type and (allow_lhs_ptr if not scalar_left else allow_rhs_ptr) and sd.is_int():
+                # pointer +- int: no arithmetic promotion, the int becomes its own scalar
+                ret, pointer = sd, True
+            else:
+                lhs, rhs = (v, t) if scalar_left else (t, v)
+                return orig_binary_check(self, lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+            tt = t.type
+            skey = None
+            if type(tt) is block_type:
+                shape = int_key(tt.shape.values)
+                if shape is not None:
+                    # the scalar splat over the block: one read-only array per value, type and
+                    # shape (floats keyed by their hex text, so -0.0 and nan stay apart)
+                    skey = (ret.name, type(v), v.hex() if type(v) is float else v, shape)
+                    ent = splats.get(skey)
+                    if ent is not None:
+                        if not pointer:
+                            t = self.cast(t, ret)
+                        s = tensor(TensorHandle(ent[0], ent[1]), ent[2])
+                        return (s, t) if scalar_left else (t, s)
+            if pointer:
+                s = self.to_tensor(v)
+            elif scalar_left:  # Triton casts lhs first: the scalar's range errors come first
+                s = self._cast_to_computation_type(v, ret)
+                t = self.cast(t, ret)
+            else:
+                t = self.cast(t, ret)
+                s = self._cast_to_computation_type(v, ret)
+            pair = self.broadcast_impl_value(s, t) if scalar_left else self.broadcast_impl_value(t, s)
+            if skey is not None:
+                s = pair[0] if scalar_left else pair[1]
+                if type(s.type) is block_type:
+                    # read-only, as np.broadcast_to's views that the interpreter's ops
+                    # already take as operands: shared, never written
+                    s.handle.data.setflags(write=False)
+                    if len(splats) >= 4096:
+                        splats.clear()
+                    splats[skey] = (s.handle.data, s.handle.dtype, s.type)
+            return pair
 
         # -- TensorHandle's size check (numpy item bits <= the dtype's, 8 at least): per
         # (itemsize, dtype name); pointers always pass
@@ -292,6 +417,35 @@ def _cache_interpreter_types() -> None:
                 return r
             return orig_validate(np_array, tl_dtype)
 
+        # -- ``x[:, None]`` / ``x[None, :]`` of a 1-D block: Triton's ``expand_dims`` (the same
+        # block type and builder call) without its per-index loop; any other index goes to
+        # Triton's ``__getitem__`` (and its errors)
+        full = slice(None)
+
+        def is_full_slice(sl):
+            return type(sl) is slice and sl.start is None and sl.stop is None and sl.step is None
+
+        def expand_dims_getitem(orig_getitem):
+            def getitem(self, slices, _semantic=None):
+                if type(slices) is builtins.tuple and len(slices) == 2 and type(self.type) is block_type:
+                    a, b = slices
+                    shape = self.type.shape.values
+                    if len(shape) == 1 and type(shape[0]) is int:
+                        # the view np.expand_dims (create_expand_dims) makes, by indexing
+                        if b is None and is_full_slice(a):
+                            index, new_shape = (full, None), [shape[0], 1]
+                        elif a is None and is_full_slice(b):
+                            index, new_shape = (None, full), [1, shape[0]]
+                        else:
+                            index = None
+                        if index is not None and self.handle.data.ndim == 1:
+                            h = self.handle
+                            return tensor(TensorHandle(h.data[index], h.dtype.scalar),
+                                          block_type(self.type.scalar, new_shape))
+                return orig_getitem(self, slices, _semantic=_semantic)
+
+            return getitem
+
         # -- the launch's patched language builtins: call the builtin's function directly
         # instead of through its ``@builtin`` wrapper, whose only job is to refuse a call
         # without ``_semantic`` (the interpreter always passes one)
@@ -303,6 +457,8 @@ def _cache_interpreter_types() -> None:
             fn = getattr(member, "__wrapped__", None)
             if fn is None or getattr(member, "__code__", None) is not builtin_code:
                 return orig_patch_attr(obj, name, member, builder, scope)
+            if obj is tensor and name == "__getitem__":
+                fn = expand_dims_getitem(fn)
 
             def new_member(*args, **kwargs):
                 kwargs.pop("_semantic", None)
@@ -327,14 +483,70 @@ def _cache_interpreter_types() -> None:
                     return orig_restore(self, args_dev, args_hst, kwargs, kwargs_hst)
             return None
 
+        # -- _convert_float (bf16 <-> fp32 casts, FP8 decoding): bit arithmetic over numpy
+        # arrays, ~150 us a call, elementwise -- each output depends only on its input's
+        # bits. From a 16-bit or narrower type every input is one of <= 65536 codes, so the
+        # function is evaluated once on all of them (Triton's own code) and later calls look
+        # their codes up in that table: the same bits by construction.
+        orig_convert = _interp._convert_float
+        convert_tables: dict = {}
+        convert_scalars: dict = {}
+
+        def convert_float(input, input_dtype, output_dtype, rounding_mode):
+            bits = input_dtype.primitive_bitwidth
+            if bits > 16:
+                if input.size != 1:
+                    return orig_convert(input, input_dtype, output_dtype, rounding_mode)
+                # a wider single value: a scalar constant of a narrow type (``other=0.0`` of
+                # a bf16 load, ``tl.full(..., 0.0, tl.bfloat16)``), converted once per value
+                key = (input_dtype.name, output_dtype.name, rounding_mode, input.shape, input.tobytes())
+                out = convert_scalars.get(key)
+                if out is None:
+                    if len(convert_scalars) >= 4096:  # runtime values, not constants: stay bounded
+                        convert_scalars.clear()
+                    out = convert_scalars[key] = orig_convert(input, input_dtype, output_dtype, rounding_mode)
+                return out.copy()
+            key = (input_dtype.name, output_dtype.name, rounding_mode)
+            table = convert_tables.get(key)
+            uint = getattr(np, f"uint{bits}")
+            if table is None:
+                table = convert_tables[key] = orig_convert(np.arange(1 << bits, dtype=uint), input_dtype,
+                                                           output_dtype, rounding_mode)
+            return table[np.frombuffer(input.tobytes(), dtype=uint)].reshape(input.shape)
+
+        # -- each launch patches the builtins of ``triton.language`` (and ``tensor``,
+        # ``math``, ...) found by ``inspect.getmembers``, a sorted walk of every attribute:
+        # ~1.5 ms a launch. The builtins of a package are found once, while it is unpatched
+        # (a patched package has none left), and reused while each name still holds the
+        # same builtin, i.e. the package is unpatched again; otherwise Triton's walk runs.
+        orig_patch_builtin = _interp._patch_builtin
+        builtin_members: dict = {}
+
+        def patch_builtin(pkg, builder, scope):
+            members = builtin_members.get(pkg)
+            if members is None:
+                import inspect
+                members = [(n, m) for n, m in inspect.getmembers(pkg) if core.is_builtin(m)]
+                if not members:
+                    return None  # patched already (or nothing to patch): as Triton's walk
+                builtin_members[pkg] = members
+            elif not all(getattr(pkg, n, None) is m for n, m in members):
+                return orig_patch_builtin(pkg, builder, scope)
+            for n, m in members:
+                _interp._patch_attr(pkg, n, m, builder, scope)
+            return None
+
+        convert_float._mla_orig = orig_convert  # for the tests
         for f in (get_np_dtype, unwrap_if_constexpr, block_init, tensor_init, dtype_eq, dtype_is_int,
                   broadcast_impl_value, binary_op_type_checking_impl, validate_np_data_size, patch_attr,
-                  restore_args_dev):
+                  restore_args_dev, convert_float, patch_builtin):
             f._mla_fuzz = True
         _interp._validate_np_data_size = validate_np_data_size
         _interp._patch_attr = patch_attr
         _interp.GridExecutor._restore_args_dev = restore_args_dev
         _interp._get_np_dtype = get_np_dtype
+        _interp._convert_float = convert_float
+        _interp._patch_builtin = patch_builtin
         core._unwrap_if_constexpr = unwrap_if_constexpr
         block_type.__init__ = block_init
         dtype_cls._mla_t = tensor_entry(())

@@ -20,7 +20,9 @@ group's fp32 scale; rope read as bf16).
 
 Stores: an unsplit row writes ``out`` (q dtype) and its lse (natural log) into
 ``lse_rows [rows, h]``; a split row writes fp32 partials (base-2 lse) for the combine.
-Rows with no valid entry end with out 0 / lse -inf (``l == 0`` guarded, never 0/0).
+Rows with no valid entry end with out 0 / lse -inf (``l == 0`` guarded, never 0/0). A row
+with no key tile at all (``row_len == 0``) is skipped by the parts it lies in: its
+``num_splits`` is 0, so the combine writes its 0 / -inf.
 """
 from __future__ import annotations
 
@@ -68,74 +70,78 @@ def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr
         n_tiles = (n_idx + BLOCK_N - 1) // BLOCK_N
         t0 = tl.where(r == r_first, t_first, 0)
         t1 = tl.where(r == r_end, t_end, n_tiles)
-        piece = tl.where(r == r_first, j_first, 0)
-        nsplit = tl.load(nsplit_ptr + r)
-        p_row = tl.load(off_ptr + r) + piece
-        start = tl.load(rstart_ptr + r).to(tl.int64)
+        # A row without keys in this part (an empty top-k: padding tokens and requests)
+        # stores nothing -- the combine writes its 0 / -inf -- so its work is skipped.
+        if t1 > t0:
+            piece = tl.where(r == r_first, j_first, 0)
+            nsplit = tl.load(nsplit_ptr + r)
+            p_row = tl.load(off_ptr + r) + piece
+            start = tl.load(rstart_ptr + r).to(tl.int64)
 
-        q_row = q_ptr + r64 * (H * D) + offs_m * D
-        q_lat = tl.load(q_row[:, None] + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-        q_rope = tl.load(q_row[:, None] + RANK + offs_p[None, :], mask=row_ok[:, None], other=0.0)
-        if DOT_F32:
-            q_lat = q_lat.to(tl.float32)
-            q_rope = q_rope.to(tl.float32)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
-        for tile in range(t0, t1):
-            offs_n = tile * BLOCK_N + offs_nb
-            in_row = offs_n < n_idx
-            # -- the top-k selection: entries past the row's count are never read
-            slot = tl.load(idx_ptr + start + offs_n, mask=in_row, other=-1)
-            kv_ok = in_row & (slot >= 0) & (slot < N_SLOTS)
-            kv_row = kv_ptr + tl.where(kv_ok, slot, 0).to(tl.int64) * TOKEN_STRIDE
-            if FP8:
-                codes = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0)
-                vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                scale_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
-                sc = tl.load(scale_row[:, None] + offs_g[None, :], mask=kv_ok[:, None], other=0.0)
-                k_lat = tl.reshape(tl.reshape(vals, (BLOCK_N, NG, GROUP)) * sc[:, :, None], (BLOCK_N, RANK))
-                k_rope = tl.load((kv_row + RANK + 4 * NG).to(tl.pointer_type(tl.bfloat16))[:, None]
-                                 + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
-            else:
-                k_lat = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0.0)
-                k_rope = tl.load(kv_row[:, None] + RANK + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
-            k_lat = k_lat.to(q_lat.dtype)
-            k_rope = k_rope.to(q_rope.dtype)
+            q_row = q_ptr + r64 * (H * D) + offs_m * D
+            q_lat = tl.load(q_row[:, None] + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+            q_rope = tl.load(q_row[:, None] + RANK + offs_p[None, :], mask=row_ok[:, None], other=0.0)
             if DOT_F32:
-                s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-                s += tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")
-            else:
-                s = tl.dot(q_lat, tl.trans(k_lat))
-                s += tl.dot(q_rope, tl.trans(k_rope))
-            # tl.where, not an additive bias: a NaN score (poisoned padding q) must vanish too
-            s = tl.where(kv_ok[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if DOT_F32:
-                pv = tl.dot(p, k_lat, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(k_lat.dtype), k_lat)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                q_lat = q_lat.to(tl.float32)
+                q_rope = q_rope.to(tl.float32)
 
-        has_keys = l_i > 0.0
-        o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-        lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        zero_m = offs_m * 0
-        has_work = (zero_m + t1) > t0
-        direct = row_ok & has_work & ((zero_m + nsplit) == 1)
-        tl.store(out_ptr + r64 * (H * RANK) + offs_m[:, None] * RANK + offs_r[None, :],
-                 to_out(o, out_ptr.dtype.element_ty), mask=direct[:, None])
-        tl.store(lse_ptr + r64 * H + offs_m, lse2 * LN2, mask=direct)
-        split = row_ok & has_work & ((zero_m + nsplit) > 1) & ((zero_m + p_row) < partial_cap)
-        p64 = p_row.to(tl.int64)
-        tl.store(po_ptr + p64 * (H * RANK) + offs_m[:, None] * RANK + offs_r[None, :], o, mask=split[:, None])
-        tl.store(plse_ptr + p64 * H + offs_m, lse2, mask=split)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
+            for tile in range(t0, t1):
+                offs_n = tile * BLOCK_N + offs_nb
+                in_row = offs_n < n_idx
+                # -- the top-k selection: entries past the row's count are never read
+                slot = tl.load(idx_ptr + start + offs_n, mask=in_row, other=-1)
+                kv_ok = in_row & (slot >= 0) & (slot < N_SLOTS)
+                kv_row = kv_ptr + tl.where(kv_ok, slot, 0).to(tl.int64) * TOKEN_STRIDE
+                if FP8:
+                    codes = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0)
+                    vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    scale_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
+                    sc = tl.load(scale_row[:, None] + offs_g[None, :], mask=kv_ok[:, None], other=0.0)
+                    k_lat = tl.reshape(tl.reshape(vals, (BLOCK_N, NG, GROUP)) * sc[:, :, None], (BLOCK_N, RANK))
+                    k_rope = tl.load((kv_row + RANK + 4 * NG).to(tl.pointer_type(tl.bfloat16))[:, None]
+                                     + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
+                else:
+                    k_lat = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0.0)
+                    k_rope = tl.load(kv_row[:, None] + RANK + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
+                k_lat = k_lat.to(q_lat.dtype)
+                k_rope = k_rope.to(q_rope.dtype)
+                if DOT_F32:
+                    s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+                    s += tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")
+                else:
+                    s = tl.dot(q_lat, tl.trans(k_lat))
+                    s += tl.dot(q_rope, tl.trans(k_rope))
+                # tl.where, not an additive bias: a NaN score (poisoned padding q) must vanish too
+                s = tl.where(kv_ok[None, :], s * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_ref)
+                p = tl.exp2(s - m_ref[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if DOT_F32:
+                    pv = tl.dot(p, k_lat, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(k_lat.dtype), k_lat)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+
+            has_keys = l_i > 0.0
+            o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            # the row's one piece goes straight to the output; a piece of a split row to the
+            # partial buffer (never past it, whatever the plan says)
+            if nsplit == 1:
+                tl.store(out_ptr + r64 * (H * RANK) + offs_m[:, None] * RANK + offs_r[None, :],
+                         to_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(lse_ptr + r64 * H + offs_m, lse2 * LN2, mask=row_ok)
+            elif (nsplit > 1) & (p_row < partial_cap):
+                p64 = p_row.to(tl.int64)
+                tl.store(po_ptr + p64 * (H * RANK) + offs_m[:, None] * RANK + offs_r[None, :], o,
+                         mask=row_ok[:, None])
+                tl.store(plse_ptr + p64 * H + offs_m, lse2, mask=row_ok)
 
 
 def launch_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets,

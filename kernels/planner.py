@@ -27,6 +27,11 @@ short program whatever the batch:
 - ``cdiv(B, BLOCK_B)`` *request programs*, one per chunk of requests, writing their
   ``num_splits`` / ``split_offsets``.
 
+Under Triton's interpreter (CPU), where programs run one after another, a launch of one
+part program and one request program runs as one program doing both roles in turn
+(``FUSED``; ``_FUSE_ON_INTERPRETER``), sparing the repeated prologue; the GPU launch is
+unchanged (``FUSED=0``).
+
 Part ``q`` starts at global tile ``G_q = q * total // P_eff``. A part program finds the
 request holding each of its ``G_q`` by comparing them with the requests' inclusive tile
 prefix sums (a ``[BLOCK_P, BLOCK_B]`` tile: the requests ending at or before ``G_q``); a
@@ -49,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import next_pow2
+from .config import interpreting, next_pow2
 
 __all__ = ["launch_planner", "plan_reference"]
 
@@ -59,12 +64,18 @@ __all__ = ["launch_planner", "plan_reference"]
 # planned without loops over the batch.
 _MAX_BLOCK_B = 1024
 _MAX_BLOCK_P = 32
+# Under the interpreter, a launch of one part program and one request program (every batch
+# the CPU fuzzer draws) runs as one program doing both roles: programs run one after the
+# other there, so a second program only repeats the shared prologue (the batch total).
+# Same outputs (tests check both against plan_reference); a test may turn it off.
+_FUSE_ON_INTERPRETER = True
 
 
 @triton.jit
 def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
                     NUM_PARTS: tl.constexpr, PART_PROGS: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+                    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                    FUSED: tl.constexpr):
     # No nested jit helpers: under TRITON_INTERPRET=1 every nested call re-patches the
     # interpreter (milliseconds each), paid per program of every test example.
     #
@@ -88,6 +99,7 @@ def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
     peff64 = parts_eff.to(tl.int64)
     inv_total = 1.0 / total64.to(tl.float64)
     carry = total * 0  # tiles of the chunks already walked
+    # FUSED (0 or 1; interpreter only, see _launch_shape): one program, both roles in turn
     if pid < PART_PROGS:
         # ---- part program: part_info rows [pid * BLOCK_P, (pid + 1) * BLOCK_P)
         p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -126,12 +138,17 @@ def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
         tl.store(part_ptr + p * 3 + 0, tl.where(p <= parts_eff, count, B), mask=row_ok)
         tl.store(part_ptr + p * 3 + 1, tl.where(live, start_tile, 0), mask=row_ok)
         tl.store(part_ptr + p * 3 + 2, first_split, mask=row_ok)
-    else:
+    if pid >= PART_PROGS - FUSED:
+        if FUSED:
+            # the part role walked the chunks: back to the first one
+            lens = tl.load(seq_ptr + offs_b, mask=offs_b < B, other=0)
+            tiles = (tl.maximum(lens, 0) + BLOCK_N - 1) // BLOCK_N
+            carry = total * 0
         # ---- request program: num_splits / split_offsets of requests [r0, r0 + BLOCK_B).
         # Pieces = 1 + the part starts strictly inside the request, i.e. in tiles
         # [first + 1, last]: cdiv(incl * P_eff, total) - cdiv((excl + 1) * P_eff, total).
         # The chunks before r0 are walked too: their split requests' rows come first.
-        r0 = (pid - PART_PROGS) * BLOCK_B
+        r0 = (pid - PART_PROGS + FUSED) * BLOCK_B
         off_carry = total * 0
         nsplit = tl.zeros([BLOCK_B], dtype=tl.int32)
         rows = tl.zeros([BLOCK_B], dtype=tl.int32)
@@ -184,10 +201,11 @@ def launch_planner(cache_seqlens: torch.Tensor, part_info: torch.Tensor, num_spl
         return  # nothing to plan: the decode and combine launch nothing for an empty batch
     num_parts = part_info.shape[0] - 1
     block_b, block_p, part_progs, req_progs, num_warps = _launch_shape(B, num_parts)
-    _planner_kernel[(part_progs + req_progs,)](
+    fused = int(_FUSE_ON_INTERPRETER and part_progs == 1 and req_progs == 1 and interpreting())
+    _planner_kernel[(part_progs + req_progs - fused,)](
         cache_seqlens, part_info, num_splits, split_offsets, B,
         NUM_PARTS=num_parts, PART_PROGS=part_progs, BLOCK_P=block_p, BLOCK_B=block_b,
-        BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, num_warps=num_warps)
+        BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, FUSED=fused, num_warps=num_warps)
 
 
 def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_per_part: int):

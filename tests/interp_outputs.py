@@ -85,9 +85,75 @@ def run() -> list:
     return outs
 
 
+def _ops_kernel_source():
+    """A kernel of the operand shapes the fast paths take (and some they leave to Triton):
+    a tensor with a Python int / float on either side (-0.0, nan, inf, a float with an int
+    tensor, division), blocks broadcast against each other and against scalars,
+    ``x[:, None]`` / ``x[None, :]``, ``tl.where`` with scalars, bf16 / fp16 / fp8 casts and
+    loads with ``other=``, pointer + int."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ops_kernel(x_ptr, i_ptr, h_ptr, b_ptr, f8_ptr, o_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        x = tl.load(x_ptr + offs)
+        i = tl.load(i_ptr + offs)
+        hb = tl.load(h_ptr + offs, mask=offs < N - 3, other=0.0)  # fp16, other cast
+        bb = tl.load(b_ptr + offs, mask=offs < N - 5, other=-0.0)  # bf16, other cast
+        f8 = tl.load(f8_ptr + offs).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        outs = o_ptr + offs[:, None] * 24 + tl.arange(0, 2)[None, :] * 0
+        zero2 = tl.zeros([N, 2], dtype=tl.float32)
+        tl.store(outs + 0, zero2 + (x + 0.0)[:, None])
+        tl.store(outs + 1, zero2 + (x * -0.0)[:, None])
+        tl.store(outs + 2, zero2 + (1.0 - x)[:, None])
+        tl.store(outs + 3, zero2 + (i + 0.5)[:, None])
+        tl.store(outs + 4, zero2 + (i // 3).to(tl.float32)[:, None])
+        tl.store(outs + 5, zero2 + (i / 3)[:, None])
+        tl.store(outs + 6, zero2 + (7 % (i + 100)).to(tl.float32)[:, None])
+        tl.store(outs + 7, zero2 + tl.where(x > 0, x, float("nan"))[:, None])
+        tl.store(outs + 8, zero2 + tl.where(i > 2, 1.0, -x)[:, None])
+        tl.store(outs + 9, zero2 + (hb * 3.0 + 1).to(tl.float32)[:, None])
+        tl.store(outs + 10, zero2 + (bb.to(tl.float32) - float("inf"))[:, None])
+        tl.store(outs + 11, zero2 + (x.to(tl.bfloat16) + 1.5).to(tl.float32)[:, None])
+        tl.store(outs + 12, zero2 + (x.to(tl.float16) * 2).to(tl.float32)[:, None])
+        tl.store(outs + 13, zero2 + f8[:, None])
+        tl.store(outs + 14, zero2 + (f8 * 0.1).to(tl.bfloat16).to(tl.float32)[:, None])
+        outer = x[:, None] * x[None, :]
+        tl.store(outs + 15, zero2 + tl.sum(outer, axis=1)[:, None])
+        tl.store(outs + 16, zero2 + tl.max(outer + i[None, :].to(tl.float32), axis=1)[:, None])
+        col = (x[:, None] + tl.zeros([N, 2], dtype=tl.float32)) * 2
+        tl.store(outs + 17, col)
+        tl.store(outs + 18, zero2 + ((i << 2) + (i >> 1) - 1 + (i & 3)).to(tl.float32)[:, None])
+        tl.store(outs + 19, zero2 + (tl.load(x_ptr + 1 + offs, mask=offs < N - 1, other=2.0) + 0)[:, None])
+        tl.store(outs + 20, zero2 + (x * 0.0 + 0.0)[:, None])
+        tl.store(outs + 21, zero2 + (2 ** 40 + i.to(tl.int64)).to(tl.float32)[:, None])
+        tl.store(outs + 22, zero2 + (x > 0.5).to(tl.float32)[:, None])
+        tl.store(outs + 23, zero2 + (tl.exp2(x - 3.0) * 1e-30 * 1e-10)[:, None])
+
+    return ops_kernel
+
+
+def run_ops_kernel() -> list:
+    """The raw bytes of ``_ops_kernel_source``'s outputs for fixed inputs."""
+    n = 16
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n + 1, generator=g)
+    x[3] = -0.0
+    x[5] = float("nan")
+    x[6] = 1e-40  # fp32 subnormal
+    i = torch.arange(-5, n - 5, dtype=torch.int32)
+    h = (torch.randn(n, generator=g) * 1e-5).half()
+    b = torch.randn(n, generator=g).bfloat16()
+    f8 = torch.arange(0, 256, 256 // n, dtype=torch.uint8)
+    o = torch.zeros(n, 24)
+    _ops_kernel_source()[(1,)](x, i, h, b, f8, o, N=n)
+    return [o.view(torch.uint8).clone()]
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    outs = run()
+    outs = run_ops_kernel() + run()
     import triton.language.core as core
     patched = bool(getattr(core.tensor.__init__, "_mla_fuzz", False))
     torch.save({"outs": outs, "patched": patched}, sys.argv[1])

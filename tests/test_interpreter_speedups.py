@@ -55,6 +55,40 @@ def test_speedups_are_installed_by_a_cpu_launch():
     assert getattr(core.block_type.__init__, "_mla_fuzz", False)
     assert getattr(interpreter._get_np_dtype, "_mla_fuzz", False)
     assert getattr(interpreter._patch_lang, "_mla_fuzz", False)
+    assert getattr(interpreter._convert_float, "_mla_fuzz", False)
+    assert getattr(interpreter._patch_builtin, "_mla_fuzz", False)
+
+
+def test_float_conversion_tables_match_triton():
+    """Every conversion from a <= 16-bit float is looked up in a table of Triton's own
+    results; checked code by code against Triton's function, in odd shapes, plus the
+    cached conversions of single wider values (-0.0, nan and a subnormal included)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from kernels.checks import check_device
+
+    check_device(torch.device("cpu"))
+    fast = interpreter._convert_float
+    if not getattr(fast, "_mla_fuzz", False):
+        pytest.skip("speed-ups not installed")
+    orig = fast._mla_orig
+    rne = interpreter._ir.ROUNDING_MODE.RTNE
+    for src, dst, mode in ((tl.bfloat16, tl.float32, None), (tl.float8e4nv, tl.float32, rne),
+                           (tl.float8e5, tl.float16, rne), (tl.float16, tl.float32, None),
+                           (tl.float16, tl.float8e4nv, rne)):
+        bits = src.primitive_bitwidth
+        codes = np.arange(1 << bits, dtype=getattr(np, f"uint{bits}"))
+        for x in (codes, codes[::-7].reshape(-1, 1), codes[:0]):
+            a, b = fast(x, src, dst, mode), orig(x, src, dst, mode)
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8)), \
+                (src, dst)
+    for v in (0.0, -0.0, float("nan"), 1e-40, -3.5, 65504.0, 1e30):
+        x = np.array([v], dtype=np.float32)
+        for _ in range(2):  # a miss, then a hit
+            a, b = fast(x, tl.float32, tl.bfloat16, None), orig(x, tl.float32, tl.bfloat16, None)
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), v
 
 
 def test_cached_block_type_matches_triton():

@@ -194,3 +194,48 @@ def test_planner_covers_every_tile_once_gpu():
         info, nsplit, offsets = run_planner(seq.tolist(), P, 64, 2, device="cuda")
         check_plan(seq.tolist(), P, 64, 2, info, nsplit, offsets)
         assert_matches_reference(seq.tolist(), P, 64, 2, (info, nsplit, offsets))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq_lens=st.lists(st.one_of(st.sampled_from([0, 1, 31, 32, 33]), st.integers(0, 512)),
+                         min_size=1, max_size=16),
+       num_parts=st.integers(1, 7), block_n=st.sampled_from([16, 32]), min_tiles=st.integers(1, 3))
+@example(seq_lens=[0, 0, 0], num_parts=5, block_n=32, min_tiles=1)
+@example(seq_lens=[300, 0, 5, 64], num_parts=5, block_n=32, min_tiles=1)
+def test_planner_one_program_and_two_agree(seq_lens, num_parts, block_n, min_tiles):
+    """Under the interpreter a one-chunk plan runs as one program doing both roles
+    (``_FUSE_ON_INTERPRETER``); with it off, the two programs of the GPU layout run. Both
+    give plan_reference's plan, for the batch shapes the CPU fuzzer draws."""
+    got = {}
+    saved = planner_mod._FUSE_ON_INTERPRETER
+    try:
+        for fuse in (True, False):
+            planner_mod._FUSE_ON_INTERPRETER = fuse
+            got[fuse] = run_planner(seq_lens, num_parts, block_n, min_tiles)
+            assert_matches_reference(seq_lens, num_parts, block_n, min_tiles, got[fuse])
+    finally:
+        planner_mod._FUSE_ON_INTERPRETER = saved
+    assert got[True] == got[False]
+
+
+def test_planner_fuses_only_one_chunk_interpreted(monkeypatch):
+    """The launch is one program exactly when interpreting and both roles fit one chunk."""
+    grids = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(planner_mod, "_planner_kernel", Spy())
+    seq = torch.tensor([40, 0, 7], dtype=torch.int32)
+    info = torch.zeros((6, 3), dtype=torch.int32)
+    ns = torch.zeros(3, dtype=torch.int32)
+    for interp, want in ((True, (1,)), (False, (2,))):
+        monkeypatch.setattr(planner_mod, "interpreting", lambda v=interp: v)
+        planner_mod.launch_planner(seq, info, ns, ns.clone(), block_n=32, min_tiles_per_part=1)
+        assert grids[-1] == want
+    monkeypatch.setattr(planner_mod, "interpreting", lambda: True)
+    with small_chunks(16, 2):  # 3 part programs: no fusion
+        planner_mod.launch_planner(seq, info, ns, ns.clone(), block_n=32, min_tiles_per_part=1)
+    assert grids[-1] == (3 + 1,)

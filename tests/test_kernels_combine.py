@@ -1,0 +1,94 @@
+"""The combine kernel on its own: what it writes for each kind of request.
+
+Requests in one piece (``num_splits == 1``) were written by the decode and must be left
+alone (the kernel returns before touching them); requests without keys
+(``num_splits == 0``) get out 0 / lse -inf; split requests get the log-sum-exp merge of
+their pieces, including pieces with no keys, and never more pieces than the buffer holds.
+Runs on CPU (interpreter) and, with a GPU, compiled.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SENTINEL = 7.25  # exact in bf16/fp16/fp32: a row left alone keeps it
+
+
+def merge_reference(po, plse, first, n):
+    """fp64 merge of pieces ``[first, first + n)``: out ``[rows, rank]``, natural-log lse ``[rows]``."""
+    po, plse = po[first:first + n].double(), plse[first:first + n].double()
+    m = plse.max(dim=0).values
+    m_ref = torch.where(m == -math.inf, torch.zeros_like(m), m)
+    w = torch.exp2(plse - m_ref[None])
+    l_sum = w.sum(dim=0)
+    has = l_sum > 0
+    o = (w[..., None] * po).sum(dim=0) / torch.where(has, l_sum, torch.ones_like(l_sum))[:, None]
+    lse = torch.where(has, (m_ref + torch.log2(torch.where(has, l_sum, torch.ones_like(l_sum)))) * math.log(2),
+                      torch.full_like(l_sum, -math.inf))
+    return o, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("s_q,h", [(2, 3), (1, 16), (3, 8)])
+def test_combine_by_kind_of_request(dtype, s_q, h):
+    g = torch.Generator().manual_seed(3)
+    rank, cap = 32, 12
+    rows = s_q * h
+    # request:          0  1  2  3  4  5   6
+    nsplit = torch.tensor([0, 1, 3, 0, 2, 1, 4], dtype=torch.int32)
+    offsets = torch.tensor([0, 0, 0, 9, 3, 9, 5], dtype=torch.int32)
+    B = nsplit.numel()
+    po = torch.randn(cap, rows, rank, generator=g)
+    plse = torch.randn(cap, rows, generator=g) * 4
+    plse[4] = -math.inf  # request 4: its first piece has no keys
+    plse[5:9, 0] = -math.inf  # request 6, row 0: no piece has keys
+    # rows no request of this plan owns: NaN, so reading them would show
+    po[9:] = float("nan")
+    plse[9:] = float("nan")
+    out = torch.full((B, s_q, h, rank), SENTINEL, dtype=dtype)
+    lse = torch.full((B, h, s_q), SENTINEL, dtype=torch.float32)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out_d, lse_d = dev(out), dev(lse)
+    ops.combine(dev(po), dev(plse), dev(nsplit), dev(offsets), out_d, lse_d, 16)
+    out, lse = out_d.cpu(), lse_d.cpu()
+    lse_rows = lse.permute(0, 2, 1).reshape(B, rows)  # [B, h, s_q] -> rows token-major
+    out_rows = out.reshape(B, rows, rank)
+    for b in range(B):
+        n = int(nsplit[b])
+        if n == 1:
+            assert (out_rows[b] == SENTINEL).all() and (lse_rows[b] == SENTINEL).all(), \
+                f"request {b} (one piece) was written by the combine"
+        elif n == 0:
+            assert (out_rows[b] == 0).all() and not torch.signbit(out_rows[b].float()).any(), f"request {b}"
+            assert (lse_rows[b] == -math.inf).all(), f"request {b}"
+        else:
+            o_ref, lse_ref = merge_reference(po, plse, int(offsets[b]), n)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out_rows[b].double(), o_ref.to(dtype).double(), rtol=tol, atol=tol)
+            torch.testing.assert_close(lse_rows[b].double(), lse_ref, rtol=1e-5, atol=1e-5)
+    # request 6, row 0: every piece empty -> 0 / -inf, like a request without keys
+    assert (out_rows[6, 0] == 0).all() and lse_rows[6, 0] == -math.inf
+
+
+def test_combine_clamps_pieces_to_the_buffer():
+    """A plan whose pieces run past the partial buffer merges only the rows inside it; a
+    request whose first piece lies past the end gets 0 / -inf (never an out-of-bounds read)."""
+    rank, cap, s_q, h = 16, 4, 1, 16
+    po = torch.randn(cap, s_q * h, rank)
+    plse = torch.randn(cap, s_q * h)
+    nsplit = torch.tensor([3, 2], dtype=torch.int32)
+    offsets = torch.tensor([2, 4], dtype=torch.int32)  # rows 2..4 (4 is past the end); 4..5
+    out = torch.full((2, s_q, h, rank), SENTINEL)
+    lse = torch.full((2, h, s_q), SENTINEL)
+    out_d, lse_d = out.to(DEVICE), lse.to(DEVICE)
+    ops.combine(po.to(DEVICE), plse.to(DEVICE), nsplit.to(DEVICE), offsets.to(DEVICE), out_d, lse_d, 16)
+    out, lse = out_d.cpu(), lse_d.cpu()
+    o_ref, lse_ref = merge_reference(po, plse, 2, 2)
+    torch.testing.assert_close(out[0, 0].double(), o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0, :, 0].double(), lse_ref, rtol=1e-5, atol=1e-5)
+    assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
