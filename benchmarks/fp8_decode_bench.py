@@ -163,6 +163,28 @@ def _warm_worker(jobs: list[tuple[str, int, dict]]) -> list[str]:
     return errors
 
 
+def finish(doc: dict, out: str | None, t_start: float) -> int:
+    """Write ``doc`` as JSON to ``out`` (if given), print the wall time; exit status 0."""
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print(f"# wall {time.time() - t_start:.0f} s", flush=True)
+    return 0
+
+
+def precompile_unique(items: list[tuple[str, int, DecodeConfig]], jobs: int) -> None:
+    """``precompile`` each distinct (variant, s_q, config) once, reporting the time taken; a
+    failure only costs time (the timing pass compiles whatever is missing)."""
+    uniq = {(v, s_q, cfg_key(c)): (v, s_q, c) for v, s_q, c in items}
+    t0 = time.time()
+    try:
+        precompile(list(uniq.values()), jobs)
+    except Exception as e:
+        print(f"# precompile failed ({type(e).__name__}: {e}); compiling lazily", flush=True)
+    print(f"# precompiled {len(uniq)} variants with {jobs} workers in {time.time() - t0:.0f} s", flush=True)
+
+
 def precompile(items: list[tuple[str, int, DecodeConfig]], jobs: int) -> None:
     import concurrent.futures as cf
     import dataclasses
@@ -207,13 +229,7 @@ def main(argv=None) -> int:
     if args.jobs > 0:
         items = [(v, s_q, c) for s_q in sqs for v, c in plans[s_q]]
         items += [(v, s_q, shipped_config(s_q)) for s_q in sqs for v in ("dequant", "grouped")]
-        uniq = {(v, s_q, cfg_key(c)): (v, s_q, c) for v, s_q, c in items}
-        t0 = time.time()
-        try:
-            precompile(list(uniq.values()), args.jobs)
-        except Exception as e:  # the timing pass compiles whatever is missing
-            print(f"# precompile failed ({type(e).__name__}: {e}); compiling lazily", flush=True)
-        print(f"# precompiled {len(uniq)} variants with {args.jobs} workers in {time.time() - t0:.0f} s", flush=True)
+        precompile_unique(items, args.jobs)
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -296,25 +312,14 @@ def main(argv=None) -> int:
         "variants": VARIANTS, "best": summary, "sweep": sweep_rows, "results": results,
         "skipped_for_budget": skipped, "wall_s": time.time() - t_start,
     }
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    print(f"# wall {time.time() - t_start:.0f} s", flush=True)
-    return 0
+    return finish(doc, args.out, t_start)
 
 
 def tma_main(args, t_start, sqs, batches, lens, props, sms) -> int:
     """``--tma`` (module doc, item 3)."""
     settings = {s_q: tma_settings(s_q) for s_q in sqs}
     if args.jobs > 0:
-        uniq = {(v, s_q, cfg_key(c)): (v, s_q, c) for s_q in sqs for _, v, c in settings[s_q]}
-        t0 = time.time()
-        try:
-            precompile(list(uniq.values()), args.jobs)
-        except Exception as e:  # the timing pass compiles whatever is missing
-            print(f"# precompile failed ({type(e).__name__}: {e}); compiling lazily", flush=True)
-        print(f"# precompiled {len(uniq)} variants with {args.jobs} workers in {time.time() - t0:.0f} s", flush=True)
+        precompile_unique([(v, s_q, c) for s_q in sqs for _, v, c in settings[s_q]], args.jobs)
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -374,12 +379,7 @@ def tma_main(args, t_start, sqs, batches, lens, props, sms) -> int:
                            for lab, v, c in settings[s_q]] for s_q in sqs},
         "results": results, "skipped_for_budget": skipped, "wall_s": time.time() - t_start,
     }
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    print(f"# wall {time.time() - t_start:.0f} s", flush=True)
-    return 0
+    return finish(doc, args.out, t_start)
 
 
 if __name__ == "__main__":

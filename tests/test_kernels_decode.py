@@ -68,6 +68,17 @@ def _zero_scales(case, spec, b, first, last):
         case.kv_cache[slot // case.page_size, slot % case.page_size, rank:rank + 4 * groups] = 0
 
 
+def _check_bf16_and_fp32_q(case, spec, cfg, what):
+    """The case's decode with ``cfg`` against the reference, for bf16 and fp32 queries."""
+    for q_dtype in (torch.bfloat16, torch.float32):
+        q = case.q.to(q_dtype)
+        out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                      q_lens=case.q_lens, config=cfg)
+        ref_out, ref_lse = mla_ref.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                              q_lens=case.q_lens)
+        assert_decode_close(out, lse, ref_out, ref_lse, tol=TOL_INTERP[q_dtype], what=f"{what} {q_dtype}")
+
+
 # (FP8_GROUPED_DOTS, FP8_TWIN_LOADS, num_stages, fp8_prefetch): every FP8 code path on the tiny spec
 # (the interpreter ignores num_stages; 2 selects the twin loads)
 _FP8_PATHS = {"grouped": (True, True, 1, False), "grouped-twin": (True, True, 2, False),
@@ -92,13 +103,7 @@ def test_decode_fp8_paths_interpreter(path, monkeypatch):
     _zero_scales(case, spec, 4, 0, 16)  # every key of request 4
     cfg = DecodeConfig(block_m=16, block_n=16, num_parts=5, min_tiles_per_part=1, num_stages=stages,
                        fp8_prefetch=prefetch)
-    for q_dtype in (torch.bfloat16, torch.float32):
-        q = case.q.to(q_dtype)
-        out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                      q_lens=case.q_lens, config=cfg)
-        ref_out, ref_lse = mla_ref.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                              q_lens=case.q_lens)
-        assert_decode_close(out, lse, ref_out, ref_lse, tol=TOL_INTERP[q_dtype], what=f"{path} {q_dtype}")
+    _check_bf16_and_fp32_q(case, spec, cfg, path)
 
 
 @pytest.mark.parametrize("group", [8, 32, 64])
@@ -402,13 +407,7 @@ def test_decode_fp8_tma_interpreter(name, monkeypatch, e4m3_nan):
     _zero_scales(case, spec, 0, 5, 21)  # all-zero groups inside a request
     # block_n=16: 36 rows in row blocks of 16 (straddling tokens); prefetch asked, TMA replaces it
     cfg = DecodeConfig(block_m=16, block_n=bn, num_parts=5, min_tiles_per_part=1, num_stages=1, fp8_prefetch=True)
-    for q_dtype in (torch.bfloat16, torch.float32):
-        q = case.q.to(q_dtype)
-        out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                      q_lens=case.q_lens, config=cfg)
-        ref_out, ref_lse = mla_ref.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                              q_lens=case.q_lens)
-        assert_decode_close(out, lse, ref_out, ref_lse, tol=TOL_INTERP[q_dtype], what=f"{name} {q_dtype}")
+    _check_bf16_and_fp32_q(case, spec, cfg, name)
     assert seen == [(True, grouped, ds.FP8_TMA_STAGES)] * 2
 
 
