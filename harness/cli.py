@@ -101,7 +101,7 @@ def _build_parser() -> _Parser:
                      help="worker processes: N, or auto = one per GPU (cuda) / per CPU core (emulated)")
     lim.add_argument("--chunk", default=None, metavar="N", help="examples per fuzz() call (default 100)")
     lim.add_argument("--mps", action="store_true",
-                     help="cuda: run the workers under a private CUDA MPS daemon, so several workers share a "
+                     help="cuda: run the workers under private CUDA MPS daemons (one per GPU), so several workers share a "
                           "GPU concurrently (use with --workers N > GPUs); crash repros are then confirmed "
                           "without MPS")
     out = run.add_argument_group("output")
@@ -159,7 +159,7 @@ def _build_parser() -> _Parser:
     ben.add_argument("--seed", default="0", metavar="S")
     ben.add_argument("--chunk", default="100", metavar="N", help="examples per fuzz() call (default 100, as run)")
     ben.add_argument("--case-timeout", default=None, metavar="SECONDS")
-    ben.add_argument("--mps", action="store_true", help="cuda: workers under a private CUDA MPS daemon (see run)")
+    ben.add_argument("--mps", action="store_true", help="cuda: workers under private CUDA MPS daemons, one per GPU (see run)")
     ben.add_argument("--corpus", default=".mla-fuzz/corpus", metavar="DIR",
                      help="where repro files of any failure go (default .mla-fuzz/corpus)")
     ben.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")

@@ -49,7 +49,7 @@ class BenchPlan:
     case_timeout: float = 300.0
     # repro files of any failure (the clean backend should have none) go here, as in ``run``
     corpus: str = ".mla-fuzz/corpus"
-    # cuda runs under a private MPS daemon (harness.mps): several workers per GPU scale
+    # cuda runs under private MPS daemons, one per GPU (harness.mps): several workers per GPU scale
     mps: bool = False
 
 
