@@ -4,9 +4,10 @@
 
 - ``dequant``: e4m3 -> fp32 times the group scale via a ``[BLOCK_N, groups, GROUP]`` view,
   cast to bf16, then the dots (``FP8_GROUPED_DOTS = False``; the path before the change);
-- ``grouped``: codes -> bf16 straight into per-quarter dots, group scales applied to the dot
-  results and to P (``FP8_GROUPED_DOTS = True``), with *twin loads* where they apply
-  (``num_stages >= 2``, no ``fp8_prefetch``, ``block_m <= 32``);
+- ``grouped``: codes -> fp16 (``FP8_FP16_DOTS``, as shipped; bf16 before it) straight into
+  per-quarter dots, group scales applied to the dot results and to P
+  (``FP8_GROUPED_DOTS = True``), with *twin loads* where they apply (``num_stages >= 2``, no
+  ``fp8_prefetch``, ``block_m <= 32``);
 - ``grouped-single``: the grouped path with ``FP8_TWIN_LOADS = False`` (one synchronous load
   per code tile), timed where twin loads would apply, to show what they are worth.
 
@@ -32,6 +33,19 @@ timed with ``triton.testing.do_bench`` (median, L2 flushed), via ``benchmarks/ke
    host's ``fp8_tma_plan`` (taken or not, stages compiled, reason), time, TB/s, the ratio
    to the measured copy bandwidth and the speedup over ``ptr@default``. Give it
    ``--budget-s 420`` or so: ~60 measurements.
+4. ``--f16``: the fp16 dots of the grouped path (``FP8_FP16_DOTS``, module doc of
+   ``kernels.decode_split``, "FP16 dots") against its bf16 dots, on the same grid: per s_q
+   the shipped ``default_config`` with every switch as shipped (``shipped@default``, the
+   baseline: the dequantise path with TMA at s_q=1, the grouped one at s_q=2), then the
+   grouped path forced (``fp8_grouped=True``) with ``FP8_FP16_DOTS`` True / False
+   (``f16-*`` / ``bf16-*``), by pointer loads at ``num_stages`` 1 with ``fp8_prefetch``
+   (``@st1pf``), 2 and 3 (twin loads), and through TMA at 2 and 3 stages where it applies
+   (16-row blocks, s_q=1; its ``num_stages=1`` would repeat 3). Rows as for ``--tma``, with
+   the speedup over ``shipped@default``. ~110 measurements and ~18 kernels to compile:
+   ``--budget-s 280`` finishes within ~300 s on an H100.
+
+``--dry-run`` prints the planned settings (configs, switches, and the TMA decision an sm_90
+device would get) without a GPU.
 
 Compiling ~60 kernel variants would take most of the time budget, so ``--jobs`` worker
 processes first compile them into Triton's on-disk cache (each runs one tiny case per
@@ -40,6 +54,7 @@ Stops starting new measurements after ``--budget-s`` seconds (default 110).
 
     python benchmarks/fp8_decode_bench.py --out benchmarks/results/<gpu>-<date>-fp8-decode.json
     python benchmarks/fp8_decode_bench.py --tma --budget-s 420 --out benchmarks/results/<gpu>-<date>-fp8-tma.json
+    python benchmarks/fp8_decode_bench.py --f16 --budget-s 280 --out benchmarks/results/<gpu>-<date>-fp8-f16.json
 """
 from __future__ import annotations
 
@@ -65,14 +80,25 @@ from kernels import DecodeConfig, default_config  # noqa: E402
 import kernels.decode_split as ds  # noqa: E402
 
 HEADS = 16
-VARIANTS = {  # module switches of kernels.decode_split per variant (all three set every time)
-    "dequant": dict(FP8_GROUPED_DOTS=False, FP8_TWIN_LOADS=True, FP8_TMA=False),
-    "grouped": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False),
-    "grouped-single": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=False, FP8_TMA=False),
+SWITCHES = ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS")
+#: the module switches as shipped (read at import, in the workers too)
+SHIPPED = {k: getattr(ds, k) for k in SWITCHES}
+VARIANTS = {  # module switches of kernels.decode_split per variant (all of SWITCHES set every time)
+    "dequant": dict(FP8_GROUPED_DOTS=False, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
+    "grouped": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
+    "grouped-single": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=False, FP8_TMA=False, FP8_FP16_DOTS=True),
     # --tma: the path follows the config (fp8_grouped), loads by pointer or through TMA
-    "ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False),
-    "tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True),
+    "ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
+    "tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=True),
+    # --f16: everything as shipped (the baseline); the grouped path's fp16 / bf16 dots by
+    # pointer loads or through TMA
+    "shipped": dict(SHIPPED),
+    "f16-ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
+    "bf16-ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=False),
+    "f16-tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=True),
+    "bf16-tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=False),
 }
+assert all(set(v) == set(SWITCHES) for v in VARIANTS.values())
 TMA_STAGES = (2, 3, 4)
 
 
@@ -99,12 +125,32 @@ def tma_settings(s_q: int) -> list[tuple[str, str, DecodeConfig]]:
     return out
 
 
-def tma_plan_record(cache, cfg: DecodeConfig) -> dict:
+def f16_settings(s_q: int) -> list[tuple[str, str, DecodeConfig]]:
+    """``(label, variant, config)`` timed per case by ``--f16`` (module doc, item 4): the
+    baseline, then per load variant the fp16 and the bf16 dots side by side (so that a
+    budget cut leaves pairs)."""
+    base = shipped_config(s_q)
+    grouped = base.with_(fp8_grouped=True)
+    loads = [("st1pf", "ptr", grouped.with_(num_stages=1, fp8_prefetch=True)),
+             ("st2", "ptr", grouped.with_(num_stages=2, fp8_prefetch=False)),
+             ("st3", "ptr", grouped.with_(num_stages=3, fp8_prefetch=False))]
+    if grouped.block_m <= ds.TMA_MAX_BLOCK_M:  # else fp8_tma_plan refuses: the pointer path again
+        # (TMA reads num_stages=1 as FP8_TMA_STAGES, dropping the prefetch: st1pf would repeat st3)
+        loads += [(f"st{st}", "tma", grouped.with_(num_stages=st, fp8_prefetch=False)) for st in (2, 3)]
+    out = [("shipped@default", "shipped", base)]
+    for name, loads_by, cfg in loads:
+        for dots in ("f16", "bf16"):
+            out.append((f"{dots}-{loads_by}@{name}", f"{dots}-{loads_by}", cfg))
+    return out
+
+
+def tma_plan_record(cache, cfg: DecodeConfig, capability=None) -> dict:
     """What ``kernels.decode_split.fp8_tma_plan`` decides for this cache and config under the
-    switches now set (the launcher makes the same call)."""
+    switches now set (the launcher makes the same call; ``capability``: as for a device of
+    that compute capability, e.g. for ``--dry-run``)."""
     spec = ModelSpec()
     p = ds.fp8_tma_plan(cache, rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, fp8_group=spec.fp8_group,
-                        block_m=cfg.block_m, block_n=cfg.block_n, num_stages=cfg.num_stages)
+                        block_m=cfg.block_m, block_n=cfg.block_n, num_stages=cfg.num_stages, capability=capability)
     return dict(tma=p.use, tma_num_stages=p.num_stages if p.use else None, tma_reason=p.reason)
 
 
@@ -210,20 +256,25 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                     help="precompile worker processes (0: compile lazily in this process)")
     ap.add_argument("--budget-s", type=float, default=110.0, help="stop starting measurements after this")
-    ap.add_argument("--tma", action="store_true", help="TMA path vs pointer path at the default configs only")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--tma", action="store_true", help="TMA path vs pointer path at the default configs only")
+    mode.add_argument("--f16", action="store_true", help="fp16 vs bf16 dots of the grouped path (module doc, item 4)")
+    ap.add_argument("--dry-run", action="store_true", help="print the planned settings and exit (no GPU needed)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("fp8_decode_bench: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    t_start = time.time()
     sqs = [int(x) for x in args.sq.split(",")]
     batches = [int(x) for x in args.batch.split(",")]
     lens = [int(x) for x in args.lens.split(",")]
     sweep_B, sweep_L = (int(x) for x in args.sweep_case.split(","))
+    if args.dry_run:
+        return dry_run(args, sqs, batches, lens)
+    if not torch.cuda.is_available():
+        print("fp8_decode_bench: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    t_start = time.time()
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
-    if args.tma:
-        return tma_main(args, t_start, sqs, batches, lens, props, sms)
+    if args.tma or args.f16:
+        return grid_main(args, t_start, sqs, batches, lens, props, sms, **MODES["tma" if args.tma else "f16"])
 
     plans = {s_q: ([] if args.no_sweep else sweep_plan(s_q, sms)) for s_q in sqs}
     if args.jobs > 0:
@@ -315,9 +366,57 @@ def main(argv=None) -> int:
     return finish(doc, args.out, t_start)
 
 
-def tma_main(args, t_start, sqs, batches, lens, props, sms) -> int:
-    """``--tma`` (module doc, item 3)."""
-    settings = {s_q: tma_settings(s_q) for s_q in sqs}
+#: the settings-grid modes: per s_q a list of (label, variant, config) timed on every case,
+#: the label whose time is the baseline, the title of the table, the variants recorded
+MODES = {
+    "tma": dict(mode="tma", settings=tma_settings, baseline="ptr@default", title="TMA vs pointer loads",
+                variants=("ptr", "tma")),
+    "f16": dict(mode="f16", settings=f16_settings, baseline="shipped@default",
+                title="fp16 vs bf16 dots of the grouped path", variants=("shipped", "f16-ptr", "bf16-ptr", "f16-tma",
+                                                                          "bf16-tma")),
+}
+
+
+def _speedup_key(baseline: str) -> str:
+    return "speedup_vs_" + baseline.replace("@", "_")  # ptr@default -> speedup_vs_ptr_default
+
+
+def dry_run(args, sqs, batches, lens) -> int:
+    """``--dry-run``: the settings each mode would time, without a GPU (the TMA decision is
+    the one a device of compute capability 9.0 would get; the sweep assumes 132 SMs)."""
+    spec = ModelSpec()
+    cache = torch.zeros(2, kb.PAGE, spec.fp8_bytes_per_token, dtype=torch.uint8)
+    cases = [(B, L) for B in batches for L in lens]
+    if args.tma or args.f16:
+        m = MODES["tma" if args.tma else "f16"]
+        print(f"# --{m['mode']}: {m['title']}; baseline {m['baseline']}; {len(cases)} cases per s_q {cases}")
+        total = 0
+        for s_q in sqs:
+            settings = m["settings"](s_q)
+            total += len(settings) * len(cases)
+            print(f"## s_q={s_q}: {len(settings)} settings")
+            for label, variant, cfg in settings:
+                set_variant(variant)
+                plan = tma_plan_record(cache, cfg, capability=(9, 0))
+                grouped = ds.fp8_grouped_dots(spec.kv_lora_rank, spec.fp8_group, cfg.block_m) and cfg.fp8_grouped
+                tma_txt = f"st{plan['tma_num_stages']}" if plan["tma"] else "no"
+                print(f"  {label:18s} {cfg_text(cfg):38s} TMA {tma_txt:4s} grouped={grouped!s:5s} "
+                      f"fp16_dots={grouped and bool(ds.FP8_FP16_DOTS)!s:5s} {VARIANTS[variant]}")
+        print(f"# {total} measurements")
+    else:
+        for s_q in sqs:
+            plan = [] if args.no_sweep else sweep_plan(s_q, 132)
+            print(f"## s_q={s_q}: sweep of {len(plan)} configs, then the grid {cases}")
+            for variant, cfg in plan:
+                print(f"  {variant:14s} {cfg_text(cfg)}")
+    set_variant("shipped")
+    return 0
+
+
+def grid_main(args, t_start, sqs, batches, lens, props, sms, *, mode, settings, baseline, title, variants) -> int:
+    """``--tma`` / ``--f16`` (module doc, items 3 and 4): every setting ``settings(s_q)`` on
+    every case of the grid, with the speedup over the ``baseline`` setting."""
+    settings = {s_q: settings(s_q) for s_q in sqs}
     if args.jobs > 0:
         precompile_unique([(v, s_q, c) for s_q in sqs for _, v, c in settings[s_q]], args.jobs)
 
@@ -329,9 +428,11 @@ def tma_main(args, t_start, sqs, batches, lens, props, sms) -> int:
     spec = ModelSpec()
     pool = kb.CachePool(spec, max(batches) * max(lens))
     cache = pool.get("fp8")
+    speedup = _speedup_key(baseline)
+    width = max(len(lab) for s_q in sqs for lab, _, _ in settings[s_q])
     results, skipped = [], 0
-    print("\n## TMA vs pointer loads (speedup vs ptr@default)", flush=True)
-    print(f"  {'s_q':>3s} {'B':>4s} {'L':>6s}  {'setting':14s} {'config':38s} {'TMA':>5s} {'time us':>9s} "
+    print(f"\n## {title} (speedup vs {baseline})", flush=True)
+    print(f"  {'s_q':>3s} {'B':>4s} {'L':>6s}  {'setting':{width}s} {'config':38s} {'TMA':>5s} {'time us':>9s} "
           f"{'TB/s':>6s} {'of copy':>7s} {'speedup':>7s}", flush=True)
     for s_q in sqs:
         for B in batches:
@@ -343,37 +444,35 @@ def tma_main(args, t_start, sqs, batches, lens, props, sms) -> int:
                         continue
                     set_variant(variant)
                     plan = tma_plan_record(cache, cfg)
+                    fields = dict(setting=label, variant=variant, s_q=s_q, B=B, L=L, config=kb.cfg_dict(cfg),
+                                  fp8_grouped=cfg.fp8_grouped, **plan)
                     try:
                         t_ms, io, _ = kb.run_case(spec, pool, HEADS, s_q, B, L, "fp8", cfg, gen)
                     except Exception as e:  # e.g. OutOfResources: this config does not fit
-                        print(f"  {s_q:3d} {B:4d} {L:6d}  {label:14s} {cfg_text(cfg)}: {type(e).__name__}: {e}"[:300],
-                              flush=True)
-                        results.append(dict(setting=label, variant=variant, s_q=s_q, B=B, L=L,
-                                            config=kb.cfg_dict(cfg), fp8_grouped=cfg.fp8_grouped, **plan,
-                                            error=f"{type(e).__name__}: {e}"[:300]))
+                        err = f"{type(e).__name__}: {e}"
+                        print(f"  {s_q:3d} {B:4d} {L:6d}  {label:{width}s} {cfg_text(cfg)}: {err}"[:300], flush=True)
+                        results.append(dict(fields, error=err[:300]))
                         continue
                     tbps = io / (t_ms * 1e-3) / 1e12
-                    r = dict(setting=label, variant=variant, s_q=s_q, B=B, L=L, config=kb.cfg_dict(cfg),
-                             fp8_grouped=cfg.fp8_grouped, **plan, time_us=t_ms * 1e3, TBps=tbps,
-                             bw_ratio=tbps / copy_tbps)
-                    if label == "ptr@default":
+                    r = dict(fields, time_us=t_ms * 1e3, TBps=tbps, bw_ratio=tbps / copy_tbps)
+                    if label == baseline:
                         base = r["time_us"]
-                    r["speedup_vs_ptr_default"] = base / r["time_us"] if base else None
+                    r[speedup] = base / r["time_us"] if base else None
                     results.append(r)
-                    sp = f"{r['speedup_vs_ptr_default']:6.2f}x" if base else "      -"
+                    sp = f"{r[speedup]:6.2f}x" if base else "      -"
                     tma_txt = f"st{plan['tma_num_stages']}" if plan["tma"] else "no"
-                    print(f"  {s_q:3d} {B:4d} {L:6d}  {label:14s} {cfg_text(cfg):38s} {tma_txt:>5s} "
+                    print(f"  {s_q:3d} {B:4d} {L:6d}  {label:{width}s} {cfg_text(cfg):38s} {tma_txt:>5s} "
                           f"{r['time_us']:9.1f} {tbps:6.2f} {r['bw_ratio']:7.0%} {sp}", flush=True)
-    set_variant("ptr")
+    set_variant("shipped")
     if skipped:
         print(f"# budget of {args.budget_s:.0f} s reached: {skipped} measurements skipped", flush=True)
     doc = {
         "gpu": props.name, "sms": sms, "capability": [props.major, props.minor],
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "copy_TBps_read_plus_write": copy_tbps, "heads": HEADS, "page_size": kb.PAGE, "mode": "tma",
+        "copy_TBps_read_plus_write": copy_tbps, "heads": HEADS, "page_size": kb.PAGE, "mode": mode,
         "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
-        "variants": {k: VARIANTS[k] for k in ("ptr", "tma")},
+        "variants": {k: VARIANTS[k] for k in variants}, "baseline": baseline,
         "tma_module": {k: getattr(ds, k) for k in ("FP8_TMA_STAGES", "FP8_TMA_SMEM_BUDGET", "TMA_MAX_BLOCK_M")},
         "settings": {s_q: [dict(setting=lab, variant=v, config=kb.cfg_dict(c), fp8_grouped=c.fp8_grouped)
                            for lab, v, c in settings[s_q]] for s_q in sqs},

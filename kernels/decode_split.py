@@ -26,7 +26,7 @@ columns of group g)::
     (P @ K_lat)_g    = (P * sc[:, g][None, :]) @ C_g                  (scale P, not K)
 
 so the codes go into the tensor-core dots as they are, converted e4m3 -> the q dtype (exact:
-bf16 and fp16 hold every finite e4m3 value), and the fp32 scale work per tile is
+bf16 and fp16 hold every finite e4m3 value; fp16 for bf16 queries too, see *FP16 dots*), and the fp32 scale work per tile is
 ``BLOCK_M x BLOCK_N`` per group instead of ``BLOCK_N x RANK`` — no per-element dequantise,
 no ``[BLOCK_N, groups, GROUP]`` reshape. Triton has no tensor slicing, so this
 *grouped-dot* path holds the latent in four quarters (``q0..q3`` / ``acc0..acc3``, each
@@ -39,6 +39,37 @@ takes scale word ``j * groups // 4``. ``P * sc`` is rounded to the q dtype for t
 ``2**8`` factor — undone exactly at the end — that keeps it out of fp16's subnormal range
 (scales are ``amax / 448``, typically ~1e-2). The scores' scaling happens in fp32 on the
 dot results, so QK is as exact as the fp32 reference up to summation order.
+
+*FP16 dots* (``FP8_FP16_DOTS``, grouped path, bf16 queries; fp16 queries already take
+fp16 dots, fp32 queries keep fp32). Converting the codes to bf16 costs several instructions
+per pair on sm_90 while e4m3 -> fp16 is one ``cvt.rn.f16x2.e4m3x2`` per two codes, and the
+FP8 kernel is issue-bound (Nsight Compute: ~12 warp instructions per 32 cached codes; see
+"TMA path" below). So the codes go to fp16 (exact: fp16 holds every finite
+e4m3 value too) and so must the other dot operands:
+
+- q's latent quarters are converted to fp16 once per request, after multiplying each query
+  row by a power of two ``qs = 2**k``, ``k <= 0``, that brings the row's ``max |q_lat|`` below
+  ``2**15`` (fp16's largest finite value is 65504): ``k = min(0, 14 - E)`` with ``E`` the
+  exponent of the row max, taken from the fp32 bit pattern (an integer max over the four
+  quarters of ``bits & 0x7FFFFFFF`` — NaN-proof: a NaN or inf row gets ``E = 128``, a zero
+  or masked row ``k = 0``, so ``qs`` is always a finite normal power of two). Rows below
+  ``2**15`` — the typical case — are not scaled at all, and then ``q -> fp16`` is exact for
+  every bf16 value in fp16's normal range (bf16's 8-bit significand fits fp16's 11 bits).
+  Only values under ``2**-14`` (after scaling) lose bits to fp16's subnormals and under
+  ``2**-25`` flush to 0: an absolute error of at most ``2**-25`` per element (times ``qs**-1``),
+  i.e. ``2**-39`` of a scaled row's max, and for an unscaled row ``<= 2**-25 * sum|K|``
+  on a score — far below the rounding of q to bf16 itself (``2**-9`` relative).
+- The latent part of the scores is multiplied by ``1 / qs`` per row (exact: a power of two,
+  so ``S_lat`` has the bits the unscaled products would have summed to) before the rope dot
+  is added; the rope dot stays bf16 (``k_rope`` is bf16 in the cache).
+- ``P * sc_j * 2**8`` is rounded to fp16 for the PV dot. ``PV_SCALE`` keeps it out of fp16's
+  subnormals (above); the top of fp16's range caps ``sc_j * 2**8 <= 65504``, i.e. a scale
+  group's ``amax <= 448 * 255.9 ~ 1.1e5`` — as it already did for fp16 queries; latent
+  values come out of a layer norm, O(1-10).
+
+Under the interpreter (``DOT_F32``: fp32 dot operands) the switch runs the same steps —
+the row scaling and its undoing, q and ``P * sc`` rounded to fp16 and back to fp32 — so the
+CPU tests cover them; the codes go straight to fp32 (the same values).
 Other group counts (or ``FP8_GROUPED_DOTS = False``, for benchmarks and tests) take the
 *dequantise* path: e4m3 -> fp32 times the group scale through a ``[BLOCK_N, groups, GROUP]``
 view, cast to the q dtype, then the same dots as a 16-bit cache. Rope is bf16 in both.
@@ -121,7 +152,13 @@ shipped configs (``h100-2026-11-26-fp8-tma-sweep.json``).
 Each piece ends in one of two stores: a request that is not split writes its final
 ``out`` (q dtype) and ``lse`` directly; a split request writes an fp32 partial (normalised
 output + base-2 LSE) into its row of the partial buffer for the combine kernel. Tokens with
-no visible key get out 0 / lse -inf explicitly (``l == 0`` guarded, never 0/0).
+no visible key get out 0 / lse -inf explicitly (``l == 0`` guarded, never 0/0). Both are
+scalar ``if`` branches on the request's uniform ``nsplit`` (and ``p_row < partial_cap``
+for partials), and a request with no tile in this part (``t1 <= t0``: an empty request, or
+a stale plan) skips its whole body — q loads, loop, stores; it wrote nothing before either
+(every store was masked off). Under ``TRITON_INTERPRET=1`` every executed op costs 15-20 us
+whatever its size, so the ops not executed are the point; on the GPU the branches are
+uniform per program.
 
 Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
 ``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
@@ -163,6 +200,14 @@ FP8_GROUPED_DOTS = True
 #: load each code tile twice, once per dot (module doc, "twin loads"). A module switch for
 #: the same reason.
 FP8_TWIN_LOADS = True
+
+
+#: Grouped-dot path with bf16 queries: feed the tensor-core dots fp16 operands (codes -> fp16
+#: in one instruction per pair on sm_90, q scaled per row by a power of two into fp16's range,
+#: ``P * sc`` rounded to fp16) instead of bf16 ones (module doc, "FP16 dots"). A module switch
+#: like ``FP8_GROUPED_DOTS``: ``benchmarks/fp8_decode_bench.py --f16`` and the tests turn it
+#: off / on.
+FP8_FP16_DOTS = True
 
 
 #: Fetch FP8 cache tiles through TMA tensor descriptors where ``fp8_tma_plan`` allows it
@@ -320,7 +365,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                          GROUP: tl.constexpr, TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                          DOT_PREC: tl.constexpr, FP8_PREFETCH: tl.constexpr, GROUPED: tl.constexpr,
-                         TWIN: tl.constexpr, K_EVICT: tl.constexpr, USE_TMA: tl.constexpr):
+                         TWIN: tl.constexpr, K_EVICT: tl.constexpr, USE_TMA: tl.constexpr,
+                         F16_DOTS: tl.constexpr):
     pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)
     ROWS = SQ * H
@@ -358,6 +404,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
     offs_nb = tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, NG)
     offs_q = tl.arange(0, QW)
+    ok_col = row_ok[:, None]
+    m_rows = offs_m[:, None] * RANK
 
     for b in range(b_first, b_last + 1):
         b64 = tl.cast(b, tl.int64)
@@ -365,268 +413,313 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
         n_tiles = (tl.maximum(seq_len, 0) + BLOCK_N - 1) // BLOCK_N
         t0 = tl.where(b == b_first, t_first, 0)
         t1 = tl.where(b == b_end, t_end, n_tiles)
-        piece = tl.where(b == b_first, j_first, 0)
-        nsplit = tl.load(nsplit_ptr + b)
-        p_row = tl.load(off_ptr + b) + piece
+        # nothing of request b in this part (an empty request, or a stale plan): skip it all,
+        # loads and stores included (module doc: it wrote nothing before either)
+        if t1 > t0:
+            piece = tl.where(b == b_first, j_first, 0)
+            nsplit = tl.load(nsplit_ptr + b)
+            p_row = tl.load(off_ptr + b) + piece
 
-        q_row = q_ptr + b64 * (ROWS * D) + offs_m * D
-        q_rope = tl.load(q_row[:, None] + RANK + offs_p[None, :], mask=row_ok[:, None], other=0.0)
-        if DOT_F32:
-            q_rope = q_rope.to(tl.float32)
-        if GROUPED:
-            q0 = tl.load(q_row[:, None] + offs_q[None, :], mask=row_ok[:, None], other=0.0)
-            q1 = tl.load(q_row[:, None] + QW + offs_q[None, :], mask=row_ok[:, None], other=0.0)
-            q2 = tl.load(q_row[:, None] + 2 * QW + offs_q[None, :], mask=row_ok[:, None], other=0.0)
-            q3 = tl.load(q_row[:, None] + 3 * QW + offs_q[None, :], mask=row_ok[:, None], other=0.0)
+            q_row = q_ptr + b64 * (ROWS * D) + offs_m * D
+            q_rope = tl.load(q_row[:, None] + RANK + offs_p[None, :], mask=ok_col, other=0.0)
             if DOT_F32:
-                q0 = q0.to(tl.float32)
-                q1 = q1.to(tl.float32)
-                q2 = q2.to(tl.float32)
-                q3 = q3.to(tl.float32)
-            acc0 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
-            acc1 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
-            acc2 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
-            acc3 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
-        else:
-            q_lat = tl.load(q_row[:, None] + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-            if DOT_F32:
-                q_lat = q_lat.to(tl.float32)
-            acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
-        # keys visible to each row's token: 0 for padding tokens (and tokens past the view)
-        ctx = tl.load(ctx_ptr + b64 * ctx_w + tok, mask=row_ok & (tok < ctx_w), other=0)
-        bt_row = bt_ptr + b64 * bt_stride
+                q_rope = q_rope.to(tl.float32)
+            if GROUPED:
+                q0 = tl.load(q_row[:, None] + offs_q[None, :], mask=ok_col, other=0.0)
+                q1 = tl.load(q_row[:, None] + QW + offs_q[None, :], mask=ok_col, other=0.0)
+                q2 = tl.load(q_row[:, None] + 2 * QW + offs_q[None, :], mask=ok_col, other=0.0)
+                q3 = tl.load(q_row[:, None] + 3 * QW + offs_q[None, :], mask=ok_col, other=0.0)
+                if F16_DOTS:
+                    # fp16 dots (module doc): each row times qs = 2**k, k <= 0, so that its
+                    # max |q_lat| < 2**15, k from the exponent of the row max -- an integer max
+                    # of the fp32 bits without the sign (NaN-proof: a NaN / inf row has exponent
+                    # field 255 and gets k = -114, a zero or masked row 0 and k = 0)
+                    q0 = q0.to(tl.float32)
+                    q1 = q1.to(tl.float32)
+                    q2 = q2.to(tl.float32)
+                    q3 = q3.to(tl.float32)
+                    top = tl.max(q0.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+                    top = tl.maximum(top, tl.max(q1.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+                    top = tl.maximum(top, tl.max(q2.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+                    top = tl.maximum(top, tl.max(q3.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+                    k_exp = tl.minimum(141 - (top >> 23), 0)  # min(0, 14 - E): 141 = 127 + 14
+                    # 2**k and 2**-k built from their exponent fields (finite normals for every k)
+                    qs = ((127 + k_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+                    lat_unscale = ((127 - k_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+                    q0 = (q0 * qs).to(tl.float16)
+                    q1 = (q1 * qs).to(tl.float16)
+                    q2 = (q2 * qs).to(tl.float16)
+                    q3 = (q3 * qs).to(tl.float16)
+                    if DOT_F32:  # the interpreter: the fp16 values, as fp32 dot operands
+                        q0 = q0.to(tl.float32)
+                        q1 = q1.to(tl.float32)
+                        q2 = q2.to(tl.float32)
+                        q3 = q3.to(tl.float32)
+                elif DOT_F32:
+                    q0 = q0.to(tl.float32)
+                    q1 = q1.to(tl.float32)
+                    q2 = q2.to(tl.float32)
+                    q3 = q3.to(tl.float32)
+                acc0 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
+                acc1 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
+                acc2 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
+                acc3 = tl.zeros([BLOCK_M, QW], dtype=tl.float32)
+            else:
+                q_lat = tl.load(q_row[:, None] + offs_r[None, :], mask=ok_col, other=0.0)
+                if DOT_F32:
+                    q_lat = q_lat.to(tl.float32)
+                acc = tl.zeros([BLOCK_M, RANK], dtype=tl.float32)
+            # keys visible to each row's token: 0 for padding tokens (and tokens past the view)
+            ctx = tl.load(ctx_ptr + b64 * ctx_w + tok, mask=row_ok & (tok < ctx_w), other=0)
+            bt_row = bt_ptr + b64 * bt_stride
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if FP8:
-            if FP8_PREFETCH:
-                # tile t0's bytes, carried into the loop (see FP8_PREFETCH in the module doc)
-                offs_n = t0 * BLOCK_N + offs_nb
-                kv_ok = (offs_n < seq_len) & ((offs_nb * 0 + t0) < t1)
-                page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
-                cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
-                rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
-                                   + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
-                if GROUPED:
-                    pc0 = tl.load(cur_row[:, None] + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                    pc1 = tl.load(cur_row[:, None] + QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                    pc2 = tl.load(cur_row[:, None] + 2 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                    pc3 = tl.load(cur_row[:, None] + 3 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                    sc_row = (cur_row + RANK).to(tl.pointer_type(tl.float32))
-                    ps0 = tl.load(sc_row, mask=kv_ok, other=0.0)
-                    ps1 = tl.load(sc_row + G1, mask=kv_ok, other=0.0)
-                    ps2 = tl.load(sc_row + G2, mask=kv_ok, other=0.0)
-                    ps3 = tl.load(sc_row + G3, mask=kv_ok, other=0.0)
-                else:
-                    codes = tl.load(cur_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0)
-        for tile in range(t0, t1):
-            offs_n = tile * BLOCK_N + offs_nb
-            kv_ok = offs_n < seq_len
-            # ---- this tile's keys (masked keys load as 0: codes, scales and rope)
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             if FP8:
-                if USE_TMA:
-                    # -- key positions -> cache rows: the tile is one box of rows of one page
-                    #    (host: block_n | page_size). Its first key decides the page; the mask
-                    #    only guards a stale plan (a tile past seq_len reads page 0, all masked).
-                    n0 = tile * BLOCK_N
-                    page_id = tl.load(bt_row + n0 // PAGE, mask=n0 < seq_len, other=0)
-                    row0 = page_id * PAGE + n0 % PAGE
-                    # The boxes hold every row of the tile, keys past seq_len too (the fuzzer
-                    # poisons them with NaN): zero codes, scales and rope of those rows, as the
-                    # pointer path's masked loads do (other=0), or 0 * NaN reaches P @ V.
-                    k_rope = rope_desc.load([row0, ROPE_COL])
-                    k_rope = tl.where(kv_ok[:, None], k_rope, tl.zeros_like(k_rope))
-                    sc_all = scales_desc.load([row0, SC_COL])
-                    sc_all = tl.where(kv_ok[:, None], sc_all, 0.0)
-                    if GROUPED:
-                        k0 = codes_desc.load([row0, 0])
-                        k1 = codes_desc.load([row0, QW])
-                        k2 = codes_desc.load([row0, 2 * QW])
-                        k3 = codes_desc.load([row0, 3 * QW])
-                        k0 = tl.where(kv_ok[:, None], k0, tl.zeros_like(k0))
-                        k1 = tl.where(kv_ok[:, None], k1, tl.zeros_like(k1))
-                        k2 = tl.where(kv_ok[:, None], k2, tl.zeros_like(k2))
-                        k3 = tl.where(kv_ok[:, None], k3, tl.zeros_like(k3))
-                        # quarter j's scale word: column Gj of the [BLOCK_N, NG] box (no slicing
-                        # in Triton: a masked row sum over NG words)
-                        sc0 = tl.sum(tl.where(offs_g[None, :] == 0, sc_all, 0.0), axis=1)
-                        sc1 = tl.sum(tl.where(offs_g[None, :] == G1, sc_all, 0.0), axis=1)
-                        sc2 = tl.sum(tl.where(offs_g[None, :] == G2, sc_all, 0.0), axis=1)
-                        sc3 = tl.sum(tl.where(offs_g[None, :] == G3, sc_all, 0.0), axis=1)
-                    else:
-                        codes_now = codes_desc.load([row0, 0])
-                        codes_now = tl.where(kv_ok[:, None], codes_now, tl.zeros_like(codes_now))
-                elif FP8_PREFETCH:
-                    kv_row = cur_row
-                    nxt_n = offs_n + BLOCK_N
-                    nxt_ok = (nxt_n < seq_len) & ((offs_nb * 0 + tile + 1) < t1)
-                    # -- key positions -> cache slots (the sparse-decode hook: read slots from
-                    #    `indices` here and below instead of the block table)
-                    page_id = tl.load(bt_row + nxt_n // PAGE, mask=nxt_ok, other=0)
-                    cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + nxt_n % PAGE) * TOKEN_STRIDE
-                    k_rope = rope_raw
-                    rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
-                                       + offs_p[None, :], mask=nxt_ok[:, None], other=0.0)
-                    if GROUPED:
-                        k0 = pc0
-                        k1 = pc1
-                        k2 = pc2
-                        k3 = pc3
-                        sc0 = ps0
-                        sc1 = ps1
-                        sc2 = ps2
-                        sc3 = ps3
-                        pc0 = tl.load(cur_row[:, None] + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                        pc1 = tl.load(cur_row[:, None] + QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                        pc2 = tl.load(cur_row[:, None] + 2 * QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                        pc3 = tl.load(cur_row[:, None] + 3 * QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                        sc_row = (cur_row + RANK).to(tl.pointer_type(tl.float32))
-                        ps0 = tl.load(sc_row, mask=nxt_ok, other=0.0)
-                        ps1 = tl.load(sc_row + G1, mask=nxt_ok, other=0.0)
-                        ps2 = tl.load(sc_row + G2, mask=nxt_ok, other=0.0)
-                        ps3 = tl.load(sc_row + G3, mask=nxt_ok, other=0.0)
-                    else:
-                        codes_now = codes
-                        codes = tl.load(cur_row[:, None] + offs_r[None, :], mask=nxt_ok[:, None], other=0)
-                else:
-                    # -- key positions -> cache slots (the sparse-decode hook, as above)
+                if FP8_PREFETCH:
+                    # tile t0's bytes, carried into the loop (see FP8_PREFETCH in the module doc)
+                    offs_n = t0 * BLOCK_N + offs_nb
+                    kv_ok = (offs_n < seq_len) & ((offs_nb * 0 + t0) < t1)
                     page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
-                    kv_row = kv_ptr + (page_id.to(tl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
-                    k_rope = tl.load((kv_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
-                                     + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
+                    cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+                    rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
+                                       + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
                     if GROUPED:
-                        k0 = tl.load(kv_row[:, None] + offs_q[None, :], mask=kv_ok[:, None], other=0,
-                                     eviction_policy=K_EVICT)
-                        k1 = tl.load(kv_row[:, None] + QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
-                                     eviction_policy=K_EVICT)
-                        k2 = tl.load(kv_row[:, None] + 2 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
-                                     eviction_policy=K_EVICT)
-                        k3 = tl.load(kv_row[:, None] + 3 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
-                                     eviction_policy=K_EVICT)
-                        if TWIN:
-                            # twin loads (module doc): the same bytes again for the PV dots; the
-                            # other eviction hint keeps the compiler from merging the two loads
-                            v0 = tl.load(kv_row[:, None] + offs_q[None, :], mask=kv_ok[:, None], other=0,
-                                         eviction_policy="evict_first")
-                            v1 = tl.load(kv_row[:, None] + QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
-                                         eviction_policy="evict_first")
-                            v2 = tl.load(kv_row[:, None] + 2 * QW + offs_q[None, :], mask=kv_ok[:, None],
-                                         other=0, eviction_policy="evict_first")
-                            v3 = tl.load(kv_row[:, None] + 3 * QW + offs_q[None, :], mask=kv_ok[:, None],
-                                         other=0, eviction_policy="evict_first")
-                        sc_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
-                        sc0 = tl.load(sc_row, mask=kv_ok, other=0.0)
-                        sc1 = tl.load(sc_row + G1, mask=kv_ok, other=0.0)
-                        sc2 = tl.load(sc_row + G2, mask=kv_ok, other=0.0)
-                        sc3 = tl.load(sc_row + G3, mask=kv_ok, other=0.0)
+                        pc0 = tl.load(cur_row[:, None] + offs_q[None, :], mask=kv_ok[:, None], other=0)
+                        pc1 = tl.load(cur_row[:, None] + QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
+                        pc2 = tl.load(cur_row[:, None] + 2 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
+                        pc3 = tl.load(cur_row[:, None] + 3 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
+                        sc_row = (cur_row + RANK).to(tl.pointer_type(tl.float32))
+                        ps0 = tl.load(sc_row, mask=kv_ok, other=0.0)
+                        ps1 = tl.load(sc_row + G1, mask=kv_ok, other=0.0)
+                        ps2 = tl.load(sc_row + G2, mask=kv_ok, other=0.0)
+                        ps3 = tl.load(sc_row + G3, mask=kv_ok, other=0.0)
                     else:
-                        codes_now = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0)
-                if GROUPED:
-                    # grouped dots: codes -> q dtype (exact), each quarter's scale on its dot result
-                    k0 = k0.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                    k1 = k1.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                    k2 = k2.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                    k3 = k3.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                    if TWIN:
-                        v0 = v0.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                        v1 = v1.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                        v2 = v2.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                        v3 = v3.to(tl.float8e4nv, bitcast=True).to(q_rope.dtype)
-                    else:
-                        v0 = k0
-                        v1 = k1
-                        v2 = k2
-                        v3 = k3
-                    s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC) * sc0[None, :]
-                    s += tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * sc1[None, :]
-                    s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * sc2[None, :]
-                    s += tl.dot(q3, tl.trans(k3), input_precision=DOT_PREC) * sc3[None, :]
-                else:
-                    # dequantise: e4m3 value times its group's scale, broadcast through a
-                    # [BLOCK_N, groups, group] view (a per-element gather of the scale words was
-                    # measured 2-3x slower on an H200, benchmarks/results)
-                    vals = codes_now.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                        codes = tl.load(cur_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0)
+            for tile in range(t0, t1):
+                offs_n = tile * BLOCK_N + offs_nb
+                kv_ok = offs_n < seq_len
+                # ---- this tile's keys (masked keys load as 0: codes, scales and rope)
+                if FP8:
                     if USE_TMA:
-                        sc = sc_all
+                        # -- key positions -> cache rows: the tile is one box of rows of one page
+                        #    (host: block_n | page_size). Its first key decides the page; the mask
+                        #    only guards a stale plan (a tile past seq_len reads page 0, all masked).
+                        n0 = tile * BLOCK_N
+                        page_id = tl.load(bt_row + n0 // PAGE, mask=n0 < seq_len, other=0)
+                        row0 = page_id * PAGE + n0 % PAGE
+                        # The boxes hold every row of the tile, keys past seq_len too (the fuzzer
+                        # poisons them with NaN): zero codes, scales and rope of those rows, as the
+                        # pointer path's masked loads do (other=0), or 0 * NaN reaches P @ V.
+                        k_rope = rope_desc.load([row0, ROPE_COL])
+                        k_rope = tl.where(kv_ok[:, None], k_rope, tl.zeros_like(k_rope))
+                        sc_all = scales_desc.load([row0, SC_COL])
+                        sc_all = tl.where(kv_ok[:, None], sc_all, 0.0)
+                        if GROUPED:
+                            k0 = codes_desc.load([row0, 0])
+                            k1 = codes_desc.load([row0, QW])
+                            k2 = codes_desc.load([row0, 2 * QW])
+                            k3 = codes_desc.load([row0, 3 * QW])
+                            k0 = tl.where(kv_ok[:, None], k0, tl.zeros_like(k0))
+                            k1 = tl.where(kv_ok[:, None], k1, tl.zeros_like(k1))
+                            k2 = tl.where(kv_ok[:, None], k2, tl.zeros_like(k2))
+                            k3 = tl.where(kv_ok[:, None], k3, tl.zeros_like(k3))
+                            # quarter j's scale word: column Gj of the [BLOCK_N, NG] box (no slicing
+                            # in Triton: a masked row sum over NG words)
+                            sc0 = tl.sum(tl.where(offs_g[None, :] == 0, sc_all, 0.0), axis=1)
+                            sc1 = tl.sum(tl.where(offs_g[None, :] == G1, sc_all, 0.0), axis=1)
+                            sc2 = tl.sum(tl.where(offs_g[None, :] == G2, sc_all, 0.0), axis=1)
+                            sc3 = tl.sum(tl.where(offs_g[None, :] == G3, sc_all, 0.0), axis=1)
+                        else:
+                            codes_now = codes_desc.load([row0, 0])
+                            codes_now = tl.where(kv_ok[:, None], codes_now, tl.zeros_like(codes_now))
+                    elif FP8_PREFETCH:
+                        kv_row = cur_row
+                        nxt_n = offs_n + BLOCK_N
+                        nxt_ok = (nxt_n < seq_len) & ((offs_nb * 0 + tile + 1) < t1)
+                        # -- key positions -> cache slots (the sparse-decode hook: read slots from
+                        #    `indices` here and below instead of the block table)
+                        page_id = tl.load(bt_row + nxt_n // PAGE, mask=nxt_ok, other=0)
+                        cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + nxt_n % PAGE) * TOKEN_STRIDE
+                        k_rope = rope_raw
+                        rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
+                                           + offs_p[None, :], mask=nxt_ok[:, None], other=0.0)
+                        if GROUPED:
+                            k0 = pc0
+                            k1 = pc1
+                            k2 = pc2
+                            k3 = pc3
+                            sc0 = ps0
+                            sc1 = ps1
+                            sc2 = ps2
+                            sc3 = ps3
+                            pc0 = tl.load(cur_row[:, None] + offs_q[None, :], mask=nxt_ok[:, None], other=0)
+                            pc1 = tl.load(cur_row[:, None] + QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
+                            pc2 = tl.load(cur_row[:, None] + 2 * QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
+                            pc3 = tl.load(cur_row[:, None] + 3 * QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
+                            sc_row = (cur_row + RANK).to(tl.pointer_type(tl.float32))
+                            ps0 = tl.load(sc_row, mask=nxt_ok, other=0.0)
+                            ps1 = tl.load(sc_row + G1, mask=nxt_ok, other=0.0)
+                            ps2 = tl.load(sc_row + G2, mask=nxt_ok, other=0.0)
+                            ps3 = tl.load(sc_row + G3, mask=nxt_ok, other=0.0)
+                        else:
+                            codes_now = codes
+                            codes = tl.load(cur_row[:, None] + offs_r[None, :], mask=nxt_ok[:, None], other=0)
                     else:
-                        scale_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
-                        sc = tl.load(scale_row[:, None] + offs_g[None, :], mask=kv_ok[:, None], other=0.0)
-                    k_lat = tl.reshape(tl.reshape(vals, (BLOCK_N, NG, GROUP)) * sc[:, :, None], (BLOCK_N, RANK))
+                        # -- key positions -> cache slots (the sparse-decode hook, as above)
+                        page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
+                        kv_row = kv_ptr + (page_id.to(tl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+                        k_rope = tl.load((kv_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
+                                         + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
+                        if GROUPED:
+                            k0 = tl.load(kv_row[:, None] + offs_q[None, :], mask=kv_ok[:, None], other=0,
+                                         eviction_policy=K_EVICT)
+                            k1 = tl.load(kv_row[:, None] + QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
+                                         eviction_policy=K_EVICT)
+                            k2 = tl.load(kv_row[:, None] + 2 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
+                                         eviction_policy=K_EVICT)
+                            k3 = tl.load(kv_row[:, None] + 3 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
+                                         eviction_policy=K_EVICT)
+                            if TWIN:
+                                # twin loads (module doc): the same bytes again for the PV dots; the
+                                # other eviction hint keeps the compiler from merging the two loads
+                                v0 = tl.load(kv_row[:, None] + offs_q[None, :], mask=kv_ok[:, None], other=0,
+                                             eviction_policy="evict_first")
+                                v1 = tl.load(kv_row[:, None] + QW + offs_q[None, :], mask=kv_ok[:, None], other=0,
+                                             eviction_policy="evict_first")
+                                v2 = tl.load(kv_row[:, None] + 2 * QW + offs_q[None, :], mask=kv_ok[:, None],
+                                             other=0, eviction_policy="evict_first")
+                                v3 = tl.load(kv_row[:, None] + 3 * QW + offs_q[None, :], mask=kv_ok[:, None],
+                                             other=0, eviction_policy="evict_first")
+                            sc_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
+                            sc0 = tl.load(sc_row, mask=kv_ok, other=0.0)
+                            sc1 = tl.load(sc_row + G1, mask=kv_ok, other=0.0)
+                            sc2 = tl.load(sc_row + G2, mask=kv_ok, other=0.0)
+                            sc3 = tl.load(sc_row + G3, mask=kv_ok, other=0.0)
+                        else:
+                            codes_now = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0)
+                    if GROUPED:
+                        # grouped dots: codes -> the latent q's dot dtype (exact: bf16, fp16 or
+                        # fp32; fp16 with F16_DOTS), each quarter's scale on its dot result
+                        k0 = k0.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                        k1 = k1.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                        k2 = k2.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                        k3 = k3.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                        if TWIN:
+                            v0 = v0.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                            v1 = v1.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                            v2 = v2.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                            v3 = v3.to(tl.float8e4nv, bitcast=True).to(q0.dtype)
+                        else:
+                            v0 = k0
+                            v1 = k1
+                            v2 = k2
+                            v3 = k3
+                        s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC) * sc0[None, :]
+                        s += tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC) * sc1[None, :]
+                        s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PREC) * sc2[None, :]
+                        s += tl.dot(q3, tl.trans(k3), input_precision=DOT_PREC) * sc3[None, :]
+                        if F16_DOTS:
+                            s = s * lat_unscale  # undo the rows' 2**k (exact), before the rope
+                    else:
+                        # dequantise: e4m3 value times its group's scale, broadcast through a
+                        # [BLOCK_N, groups, group] view (a per-element gather of the scale words was
+                        # measured 2-3x slower on an H200, benchmarks/results)
+                        vals = codes_now.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                        if USE_TMA:
+                            sc = sc_all
+                        else:
+                            scale_row = (kv_row + RANK).to(tl.pointer_type(tl.float32))
+                            sc = tl.load(scale_row[:, None] + offs_g[None, :], mask=kv_ok[:, None], other=0.0)
+                        k_lat = tl.reshape(tl.reshape(vals, (BLOCK_N, NG, GROUP)) * sc[:, :, None], (BLOCK_N, RANK))
+                        k_lat = k_lat.to(q_lat.dtype)
+                        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
+                else:
+                    # -- key positions -> cache slots (the sparse-decode hook: read slots from
+                    #    `indices` here instead of the block table; the rest is slot-agnostic)
+                    page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
+                    slots = page_id.to(tl.int64) * PAGE + offs_n % PAGE
+                    # -- one latent KV row per key, shared by every query row of the program;
+                    #    these loads feed the dots directly and Triton pipelines them (num_stages).
+                    #    (Inlined rather than helpers: the interpreter re-patches triton.language
+                    #    on every nested jit call, ~10 ms each.)
+                    kv_row = kv_ptr + slots * TOKEN_STRIDE
+                    k_lat = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0.0)
+                    k_rope = tl.load(kv_row[:, None] + RANK + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
                     k_lat = k_lat.to(q_lat.dtype)
                     s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
-            else:
-                # -- key positions -> cache slots (the sparse-decode hook: read slots from
-                #    `indices` here instead of the block table; the rest is slot-agnostic)
-                page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
-                slots = page_id.to(tl.int64) * PAGE + offs_n % PAGE
-                # -- one latent KV row per key, shared by every query row of the program;
-                #    these loads feed the dots directly and Triton pipelines them (num_stages).
-                #    (Inlined rather than helpers: the interpreter re-patches triton.language
-                #    on every nested jit call, ~10 ms each.)
-                kv_row = kv_ptr + slots * TOKEN_STRIDE
-                k_lat = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0.0)
-                k_rope = tl.load(kv_row[:, None] + RANK + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
-                k_lat = k_lat.to(q_lat.dtype)
-                s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
-            k_rope = k_rope.to(q_rope.dtype)
-            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
-            s = s * qk_scale
-            visible = (offs_n[None, :] < ctx[:, None]) & kv_ok[None, :]
-            # tl.where, not an additive bias: a NaN score (poisoned padding q) must vanish too
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if GROUPED:
-                # (P * sc_j) @ C_j, P * sc_j rounded to the q dtype (x 2**8, see PV_SCALE)
-                pv = tl.dot((p * (sc0 * PV_SCALE)[None, :]).to(v0.dtype), v0, input_precision=DOT_PREC)
-                acc0 = acc0 * alpha[:, None] + pv
-                pv = tl.dot((p * (sc1 * PV_SCALE)[None, :]).to(v1.dtype), v1, input_precision=DOT_PREC)
-                acc1 = acc1 * alpha[:, None] + pv
-                pv = tl.dot((p * (sc2 * PV_SCALE)[None, :]).to(v2.dtype), v2, input_precision=DOT_PREC)
-                acc2 = acc2 * alpha[:, None] + pv
-                pv = tl.dot((p * (sc3 * PV_SCALE)[None, :]).to(v3.dtype), v3, input_precision=DOT_PREC)
-                acc3 = acc3 * alpha[:, None] + pv
-            else:
-                pv = tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PREC)
-                acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                k_rope = k_rope.to(q_rope.dtype)
+                s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
+                s = s * qk_scale
+                visible = (offs_n[None, :] < ctx[:, None]) & kv_ok[None, :]
+                # tl.where, not an additive bias: a NaN score (poisoned padding q) must vanish too
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_ref)
+                p = tl.exp2(s - m_ref[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if GROUPED:
+                    # (P * sc_j) @ C_j, P * sc_j rounded to the codes' dot dtype (x 2**8, see
+                    # PV_SCALE); with F16_DOTS to fp16 (under the interpreter: and back to fp32)
+                    pw = p * (sc0 * PV_SCALE)[None, :]
+                    if F16_DOTS:
+                        pw = pw.to(tl.float16)
+                    pv = tl.dot(pw.to(v0.dtype), v0, input_precision=DOT_PREC)
+                    acc0 = acc0 * alpha[:, None] + pv
+                    pw = p * (sc1 * PV_SCALE)[None, :]
+                    if F16_DOTS:
+                        pw = pw.to(tl.float16)
+                    pv = tl.dot(pw.to(v1.dtype), v1, input_precision=DOT_PREC)
+                    acc1 = acc1 * alpha[:, None] + pv
+                    pw = p * (sc2 * PV_SCALE)[None, :]
+                    if F16_DOTS:
+                        pw = pw.to(tl.float16)
+                    pv = tl.dot(pw.to(v2.dtype), v2, input_precision=DOT_PREC)
+                    acc2 = acc2 * alpha[:, None] + pv
+                    pw = p * (sc3 * PV_SCALE)[None, :]
+                    if F16_DOTS:
+                        pw = pw.to(tl.float16)
+                    pv = tl.dot(pw.to(v3.dtype), v3, input_precision=DOT_PREC)
+                    acc3 = acc3 * alpha[:, None] + pv
+                else:
+                    pv = tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PREC)
+                    acc = acc * alpha[:, None] + pv
+                m_i = m_new
 
-        has_keys = l_i > 0.0
-        l_safe = tl.where(has_keys, l_i, 1.0)
-        lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
-        # scalar conditions are broadcast to row vectors before combining: the interpreter
-        # rejects a mask made of `vector & scalar`
-        zero_m = offs_m * 0
-        has_work = (zero_m + t1) > t0
-        direct = row_ok & has_work & ((zero_m + nsplit) == 1)
-        split = row_ok & has_work & ((zero_m + nsplit) > 1) & ((zero_m + p_row) < partial_cap)
-        p64 = p_row.to(tl.int64)
-        out_rows = out_ptr + b64 * (ROWS * RANK) + offs_m[:, None] * RANK
-        po_rows = po_ptr + p64 * (ROWS * RANK) + offs_m[:, None] * RANK
-        if GROUPED:
-            o = (acc0 * INV_PV_SCALE) / l_safe[:, None]
-            tl.store(out_rows + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty), mask=direct[:, None])
-            tl.store(po_rows + offs_q[None, :], o, mask=split[:, None])
-            o = (acc1 * INV_PV_SCALE) / l_safe[:, None]
-            tl.store(out_rows + QW + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty), mask=direct[:, None])
-            tl.store(po_rows + QW + offs_q[None, :], o, mask=split[:, None])
-            o = (acc2 * INV_PV_SCALE) / l_safe[:, None]
-            tl.store(out_rows + 2 * QW + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty),
-                     mask=direct[:, None])
-            tl.store(po_rows + 2 * QW + offs_q[None, :], o, mask=split[:, None])
-            o = (acc3 * INV_PV_SCALE) / l_safe[:, None]
-            tl.store(out_rows + 3 * QW + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty),
-                     mask=direct[:, None])
-            tl.store(po_rows + 3 * QW + offs_q[None, :], o, mask=split[:, None])
-        else:
-            o = acc / l_safe[:, None]
-            tl.store(out_rows + offs_r[None, :], to_out(o, out_ptr.dtype.element_ty), mask=direct[:, None])
-            tl.store(po_rows + offs_r[None, :], o, mask=split[:, None])
-        tl.store(lse_ptr + b64 * ROWS + head * SQ + tok, lse2 * LN2, mask=direct)
-        tl.store(plse_ptr + p64 * ROWS + offs_m, lse2, mask=split)
+            has_keys = l_i > 0.0
+            l_safe = tl.where(has_keys, l_i, 1.0)
+            lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+            l_col = l_safe[:, None]
+            # one of two stores, on the request's uniform nsplit (module doc)
+            if nsplit == 1:
+                # not split: the final out (q dtype, RNE) and the natural-log lse
+                out_rows = out_ptr + b64 * (ROWS * RANK) + m_rows
+                if GROUPED:
+                    o = (acc0 * INV_PV_SCALE) / l_col
+                    tl.store(out_rows + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty), mask=ok_col)
+                    o = (acc1 * INV_PV_SCALE) / l_col
+                    tl.store(out_rows + QW + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty), mask=ok_col)
+                    o = (acc2 * INV_PV_SCALE) / l_col
+                    tl.store(out_rows + 2 * QW + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty), mask=ok_col)
+                    o = (acc3 * INV_PV_SCALE) / l_col
+                    tl.store(out_rows + 3 * QW + offs_q[None, :], to_out(o, out_ptr.dtype.element_ty), mask=ok_col)
+                else:
+                    o = acc / l_col
+                    tl.store(out_rows + offs_r[None, :], to_out(o, out_ptr.dtype.element_ty), mask=ok_col)
+                tl.store(lse_ptr + b64 * ROWS + head * SQ + tok, lse2 * LN2, mask=row_ok)
+            elif (nsplit > 1) & (p_row < partial_cap):
+                # split: this piece's fp32 partial (normalised output, base-2 lse) for combine
+                p64 = p_row.to(tl.int64)
+                po_rows = po_ptr + p64 * (ROWS * RANK) + m_rows
+                if GROUPED:
+                    tl.store(po_rows + offs_q[None, :], (acc0 * INV_PV_SCALE) / l_col, mask=ok_col)
+                    tl.store(po_rows + QW + offs_q[None, :], (acc1 * INV_PV_SCALE) / l_col, mask=ok_col)
+                    tl.store(po_rows + 2 * QW + offs_q[None, :], (acc2 * INV_PV_SCALE) / l_col, mask=ok_col)
+                    tl.store(po_rows + 3 * QW + offs_q[None, :], (acc3 * INV_PV_SCALE) / l_col, mask=ok_col)
+                else:
+                    tl.store(po_rows + offs_r[None, :], acc / l_col, mask=ok_col)
+                tl.store(plse_ptr + p64 * ROWS + offs_m, lse2, mask=row_ok)
 
 
 def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
@@ -643,6 +736,10 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     ``fp8_grouped`` (``DecodeConfig.fp8_grouped``) and ``fp8_grouped_dots(rank, fp8_group, block_m)``
     (module doc), else the dequantise path;
     ``fp8_prefetch`` applies to both and is ignored for 16-bit caches.
+    On the grouped path with bf16 queries, ``FP8_FP16_DOTS`` (read here at every launch)
+    feeds the latent dots fp16 operands — codes, q scaled per row by a power of two, and
+    ``P * sc`` — instead of bf16 ones (module doc, "FP16 dots"); with ``dot_f32`` (the
+    interpreter) the same roundings are applied and the dots run in fp32.
     Where ``fp8_tma_plan`` allows it, FP8 tiles come through TMA descriptors made here from
     ``kv_cache`` (module doc, "TMA path"); ``fp8_prefetch`` and twin loads are then off and
     the kernel is compiled with the plan's ``num_stages``.
@@ -662,6 +759,7 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     else:
         descs = (kv_cache, kv_cache, kv_cache)  # placeholders: the pointer path never reads them
     prefetch = bool(fp8_prefetch) and fp8 and not use_tma
+    f16_dots = grouped and q.dtype == torch.bfloat16 and bool(FP8_FP16_DOTS)
     twin = grouped and not prefetch and not use_tma and num_stages >= 2 and block_m <= 32 and bool(FP8_TWIN_LOADS)
     page = kv_cache.shape[1]
     grid = (num_parts, m_blocks)
@@ -674,4 +772,4 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         # None: Triton's default precision (only fp32 operands care, and those come with DOT_F32)
         DOT_PREC="ieee" if dot_f32 else None,
         FP8_PREFETCH=prefetch, GROUPED=grouped, TWIN=twin, K_EVICT="evict_last" if twin else "",
-        USE_TMA=use_tma, num_warps=num_warps, num_stages=num_stages)
+        USE_TMA=use_tma, F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages)

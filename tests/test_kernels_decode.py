@@ -505,3 +505,305 @@ def test_decode_fp8_tma_random_interpreter(monkeypatch, e4m3_nan, args):
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16],
                         what=f"h={heads} s_q={s_q} page={page} bn={bn} seq={seq} ql={ql} grouped={grouped}")
+
+
+# --------------------------------------------------------------------------- FP8 fp16 dots
+
+def _spy_kwargs(monkeypatch, ds, *names):
+    """Record the constexprs ``names`` of every decode_split launch (a tuple per launch)."""
+    seen = []
+    real = ds._decode_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(tuple(kw[n] for n in names))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ds, "_decode_split_kernel", Spy())
+    return seen
+
+
+# per-row changes of real query rows (what, factor, lse compared relatively): latent maxima
+# ~1e5 and ~3e4 * 2.5 overflow fp16 unscaled; 40000 fits fp16 but is scaled (the threshold,
+# 2**15); 1e20; a tiny row (fp16 subnormals: negligible loss, module doc); an all-zero row
+# (uniform attention, qs = 1) and a rope-only row
+_Q_ROW_MODS = (("latent", 1e5, True), ("row", 3e4, True), ("latent", 1e20, True), ("max", 40000.0, True),
+               ("latent", 1e-6, False), ("row", 0.0, False), ("latent", 0.0, False), ("row", 1e5, True),
+               ("latent", 3e4, True))
+
+
+def _f16_dots_case(spec, *, seq_lens, q_lens, s_q, page_size, seed, device="cpu"):
+    """An FP8 case whose bf16 query rows stress the fp16 dots' per-row power-of-two scaling:
+    ``_Q_ROW_MODS`` applied to real rows spread over the batch (every 5th), and two padding
+    rows +-inf instead of NaN (make_case's poison). Returns the case and the ``[B, h, s_q]``
+    mask of rows whose lse is large (compared relatively by ``_assert_close_big_rows``)."""
+    case = make_case(spec, seq_lens=seq_lens, q_lens=q_lens, s_q=s_q, page_size=page_size, kv_dtype="fp8",
+                     seed=seed)
+    rank, heads = spec.kv_lora_rank, spec.num_heads
+    q = case.q.float()
+    big = torch.zeros(q.shape[0], heads, s_q, dtype=torch.bool)
+    real = [(b, t, h) for b in range(len(seq_lens)) for t in range(q_lens[b]) for h in range(heads)]
+    pad = [(b, t, h) for b in range(len(seq_lens)) for t in range(q_lens[b], s_q) for h in range(heads)]
+    assert len(real) >= 5 * len(_Q_ROW_MODS) and len(pad) >= 2
+    for (b, t, h), (what, factor, is_big) in zip(real[::5], _Q_ROW_MODS):
+        cols = slice(None) if what == "row" else slice(0, rank)
+        if what == "max":
+            q[b, t, h, cols] *= factor / q[b, t, h, cols].abs().max()
+        else:
+            q[b, t, h, cols] *= factor
+        big[b, h, t] = is_big
+    b, t, h = pad[0]
+    q[b, t, h] = float("inf")
+    b, t, h = pad[-1]
+    q[b, t, h, :rank] = -float("inf")
+    case.q = q.to(torch.bfloat16).to(device)
+    if device != "cpu":
+        for name in ("kv_cache", "block_table", "seq_lens", "q_lens"):
+            setattr(case, name, getattr(case, name).to(device))
+    return case, big
+
+
+def _assert_close_big_rows(out, lse, ref_out, ref_lse, big, *, tol, what, rel_lse=1e-5):
+    """``assert_decode_close`` with the lse of the ``big`` rows (|lse| ~ 1e4 and up, where
+    fp32 summation order alone moves it by more than the absolute bound) compared relatively."""
+    lse, ref_lse = lse.cpu(), ref_lse.cpu()
+    assert torch.isfinite(lse[big]).all(), f"{what}: big rows' lse not finite"
+    rel = (lse[big] - ref_lse[big]).abs() / ref_lse[big].abs()
+    assert rel.max() <= rel_lse, f"{what}: big rows' lse off by {rel.max():.3g} relative"
+    assert_decode_close(out, torch.where(big, ref_lse, lse), ref_out, ref_lse, tol=tol, what=what)
+
+
+# (FP8_TWIN_LOADS, num_stages, fp8_prefetch, FP8_TMA_ANY_DEVICE, page, block_n): the grouped
+# path's load variants with the fp16 dots (the interpreter ignores num_stages; 2 -> twin loads)
+_F16_PATHS = {"plain": (True, 1, False, False, 4, 16), "twin": (True, 2, False, False, 4, 16),
+              "prefetch": (True, 1, True, False, 8, 16), "tma": (True, 1, True, True, 16, 16)}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf padding q x 0 codes
+@pytest.mark.parametrize("path", list(_F16_PATHS))
+def test_decode_fp8_fp16_dots_interpreter(path, monkeypatch, e4m3_nan):
+    """The grouped path with fp16 dots (``FP8_FP16_DOTS``, bf16 q) against the reference for
+    each load variant: query rows far outside fp16's range (finite and exact only through
+    the per-row power-of-two scaling), at its threshold, tiny, zero, and NaN / inf padding
+    rows next to real ones; NaN cache slots past every request (made real NaN codes by
+    ``e4m3_nan``), split requests, an empty request and all-zero scale groups."""
+    import kernels.decode_split as ds
+    twin, stages, prefetch, tma, page, bn = _F16_PATHS[path]
+    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
+    monkeypatch.setattr(ds, "FP8_FP16_DOTS", True)
+    monkeypatch.setattr(ds, "FP8_TWIN_LOADS", twin)
+    monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", tma)
+    seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS", "USE_TMA", "TWIN", "FP8_PREFETCH")
+    spec = ModelSpec.tiny(num_heads=8)  # 24 rows: two row blocks of 16, the second part-full
+    case, big = _f16_dots_case(spec, seq_lens=[37, 0, 70, 1, 16, 23], q_lens=[3, 0, 2, 1, 3, 2], s_q=3,
+                               page_size=page, seed=21)
+    _zero_scales(case, spec, 2, 3, 19)
+    cfg = DecodeConfig(block_m=16, block_n=bn, num_parts=5, min_tiles_per_part=1, num_stages=stages,
+                       fp8_prefetch=prefetch)
+    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, config=cfg)
+    ref_out, ref_lse = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                          q_lens=case.q_lens)
+    _assert_close_big_rows(out, lse, ref_out, ref_lse, big, tol=TOL_INTERP[torch.bfloat16], what=path)
+    assert seen == [(True, True, tma, twin and stages >= 2, prefetch and not tma)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,stages,prefetch,tma,f16", [
+    (1, 1, True, True, True), (1, 2, False, True, True), (1, 2, False, False, True), (1, 1, True, False, True),
+    (2, 1, True, True, True), (2, 3, False, True, True), (1, 1, True, True, False), (2, 1, True, True, False)])
+def test_decode_fp8_fp16_dots_gpu(s_q, stages, prefetch, tma, f16, monkeypatch):
+    """The grouped FP8 path at DeepSeek size (h=16) with the fp16 dots on (and off) through
+    each load variant: TMA (16 rows, compute capability 9), twin loads (num_stages >= 2),
+    the register prefetch; query rows far outside fp16's range, NaN past every request."""
+    import kernels.decode_split as ds
+    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
+    monkeypatch.setattr(ds, "FP8_FP16_DOTS", f16)
+    monkeypatch.setattr(ds, "FP8_TMA", tma)
+    seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS", "USE_TMA")
+    spec = ModelSpec(num_heads=16)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(num_stages=stages, fp8_prefetch=prefetch,
+                                                                          fp8_grouped=True)
+    case, big = _f16_dots_case(spec, seq_lens=[2100, 1, 0, 64, 127, 700], q_lens=[s_q, 1, 0, 1, s_q, s_q], s_q=s_q,
+                               page_size=64, seed=17, device="cuda")
+    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, config=cfg)
+    ref_out, ref_lse = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                          q_lens=case.q_lens)
+    _assert_close_big_rows(out, lse, ref_out, ref_lse, big, tol=TOL_GPU[torch.bfloat16], what=f"{cfg}",
+                           rel_lse=1e-4)
+    use_tma = tma and cfg.block_m <= ds.TMA_MAX_BLOCK_M and torch.cuda.get_device_capability() >= (9, 0)
+    assert seen == [(True, f16, use_tma)]
+
+
+def test_decode_fp8_fp16_dots_switch(monkeypatch):
+    """``FP8_FP16_DOTS`` applies to the grouped path with bf16 queries only; switched off,
+    the launch is today's bf16-dot path. Both match the reference, and under the interpreter
+    they differ (the fp16 rounding of ``P * sc`` is really executed), while fp32 and fp16
+    queries and the dequantise path never take it."""
+    import kernels.decode_split as ds
+    seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS")
+    spec = ModelSpec.tiny(num_heads=4)
+    case = make_case(spec, seq_lens=[33, 7, 0, 50], q_lens=[2, 1, 0, 2], s_q=2, page_size=4, kv_dtype="fp8",
+                     seed=11)
+    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)
+    outs = {}
+    for switch in (True, False):
+        monkeypatch.setattr(ds, "FP8_FP16_DOTS", switch)
+        for grouped in (True, False):
+            monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
+            for q_dtype in (torch.bfloat16, torch.float16, torch.float32):
+                q = case.q.to(q_dtype)
+                out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                              q_lens=case.q_lens, config=cfg)
+                ref = mla_ref.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                         q_lens=case.q_lens)
+                what = f"switch={switch} grouped={grouped} {q_dtype}"
+                assert_decode_close(out, lse, *ref, tol=TOL_INTERP[q_dtype], what=what)
+                assert seen.pop() == (grouped, switch and grouped and q_dtype == torch.bfloat16), what
+                outs[what] = (out, lse)
+    on, off = outs["switch=True grouped=True torch.bfloat16"], outs["switch=False grouped=True torch.bfloat16"]
+    assert not torch.equal(on[0], off[0]), "the fp16 rounding of P * sc left every output bit unchanged"
+    for q_dtype in (torch.float16, torch.float32):
+        a, b = outs[f"switch=True grouped=True {q_dtype}"], outs[f"switch=False grouped=True {q_dtype}"]
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), q_dtype
+
+
+def test_fp8_bench_f16_plan(monkeypatch, capsys):
+    """``benchmarks/fp8_decode_bench.py --f16 --dry-run`` runs without a GPU and plans, per s_q,
+    the shipped baseline and fp16 / bf16 pairs of the grouped path: pointer loads at
+    num_stages 1 (+prefetch), 2 and 3, and TMA at 2 and 3 where it applies (16-row blocks)."""
+    import importlib.util
+    import os
+    import sys
+
+    import kernels.decode_split as ds
+    for name in ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS"):
+        monkeypatch.setattr(ds, name, getattr(ds, name))  # the dry run sets them per variant
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "fp8_decode_bench.py")
+    spec = importlib.util.spec_from_file_location("_fp8_decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--f16", "--dry-run"]) == 0
+    assert "# 108 measurements" in capsys.readouterr().out
+    for s_q, tma in ((1, True), (2, False)):
+        settings = bench.f16_settings(s_q)
+        assert settings[0][:2] == ("shipped@default", "shipped") and settings[0][2] == bench.shipped_config(s_q)
+        stages = [(c.num_stages, c.fp8_prefetch) for _, _, c in settings[1:]]
+        assert stages[:6] == [(1, True), (1, True), (2, False), (2, False), (3, False), (3, False)]
+        assert [v for _, v, _ in settings[1:]] == ["f16-ptr", "bf16-ptr"] * 3 + ["f16-tma", "bf16-tma"] * 2 * tma
+        assert all(c.fp8_grouped for _, _, c in settings[1:])
+    for v in ("f16-ptr", "bf16-ptr", "f16-tma", "bf16-tma"):
+        assert bench.VARIANTS[v]["FP8_FP16_DOTS"] == v.startswith("f16")
+        assert bench.VARIANTS[v]["FP8_TMA"] == v.endswith("tma")
+
+
+# --------------------------------------------------------------------------- epilogue branches
+
+@pytest.fixture
+def count_stores(monkeypatch):
+    """Count the interpreter's stores and loads made inside decode_split launches (one
+    entry per launch, with the launch's ``part_info`` / ``num_splits`` / ``split_offsets``)."""
+    import kernels.decode_split as ds
+    from triton.runtime import interpreter as interp
+    cls = type(interp.interpreter_builder)
+    original_store, original_load = cls.create_masked_store, cls.create_masked_load
+    state = {"on": False}
+    counts = []
+
+    def store(self, ptrs, value, mask, cache_policy):
+        if state["on"]:
+            counts[-1]["stores"] += 1
+        return original_store(self, ptrs, value, mask, cache_policy)
+
+    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+        if state["on"]:
+            counts[-1]["loads"] += 1
+        return original_load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    monkeypatch.setattr(cls, "create_masked_store", store)
+    monkeypatch.setattr(cls, "create_masked_load", load)
+    real = ds._decode_split_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                counts.append(dict(stores=0, loads=0, grid=grid, part_info=args[6].clone(), num_splits=args[7].clone(),
+                                   split_offsets=args[8].clone(), cap=args[11].shape[0], kw=kw))
+                state["on"] = True
+                try:
+                    return real[grid](*args, **kw)
+                finally:
+                    state["on"] = False
+            return launch
+
+    monkeypatch.setattr(ds, "_decode_split_kernel", Spy())
+    return counts
+
+
+def _expected_stores(launch, seq_lens) -> int:
+    """Stores the kernel must make: per (program, request piece with tiles), the 4 latent
+    quarters (grouped path) or one latent block, plus the lse -- direct or partial, not both;
+    pieces without tiles store nothing."""
+    block_n = launch["kw"]["BLOCK_N"]
+    per_piece = (4 if launch["kw"]["GROUPED"] else 1) + 1
+    info = launch["part_info"].tolist()
+    n = 0
+    for p in range(len(info) - 1):
+        (b_first, t_first, j_first), (b_end, t_end, _) = info[p], info[p + 1]
+        b_last = b_end if t_end > 0 else b_end - 1
+        for b in range(b_first, b_last + 1):
+            tiles = -(-max(int(seq_lens[b]), 0) // block_n)
+            t0 = t_first if b == b_first else 0
+            t1 = t_end if b == b_end else tiles
+            nsplit = int(launch["num_splits"][b])
+            p_row = int(launch["split_offsets"][b]) + (j_first if b == b_first else 0)
+            if t1 > t0 and (nsplit == 1 or (nsplit > 1 and p_row < launch["cap"])):
+                n += per_piece
+    return n * launch["grid"][1]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_split_stores_only_its_branch(kv, count_stores):
+    """Each request piece makes only the stores of its branch (direct for unsplit requests,
+    partial for split ones) and an empty piece none: the scalar ``if`` branches that keep
+    the interpreter from executing masked-off work (module doc). Results still exact."""
+    spec = ModelSpec.tiny(num_heads=3)
+    case = make_case(spec, seq_lens=[0, 40, 0, 9, 64, 1], q_lens=[0, 2, 0, 1, 2, 1], s_q=2, page_size=8,
+                     kv_dtype=kv, seed=4)
+    for parts in (1, 3, 7):
+        cfg = DecodeConfig(block_m=16, block_n=16, num_parts=parts, min_tiles_per_part=1, num_stages=1)
+        out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                      q_lens=case.q_lens, config=cfg)
+        ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                 q_lens=case.q_lens)
+        assert_decode_close(out, lse, *ref, tol=TOL_INTERP[case.q.dtype], what=f"{kv} parts={parts}")
+        launch = count_stores[-1]
+        assert launch["kw"]["GROUPED"] == (kv == "fp8")
+        expected = _expected_stores(launch, case.seq_lens)
+        assert launch["stores"] == expected, (parts, launch["stores"], expected)
+    assert any(int(c["num_splits"].max()) > 1 for c in count_stores), "no split request: no partial stores"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_split_skips_empty_requests(kv, count_stores):
+    """A request without keys inside a part's range costs its program one load (its length)
+    and nothing else -- no q loads, no loop set-up, no stores: three empty requests between
+    two real ones add exactly three loads per row block over the same batch without them."""
+    spec = ModelSpec.tiny(num_heads=3)
+    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=1, min_tiles_per_part=1, num_stages=1,
+                       fp8_prefetch=True)
+    for seq, ql in (([0, 9, 0, 0, 33, 0], [0, 1, 0, 0, 2, 0]), ([9, 33], [1, 2])):
+        case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=2, page_size=8, kv_dtype=kv, seed=6)
+        out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                      q_lens=case.q_lens, config=cfg)
+        ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                 q_lens=case.q_lens)
+        assert_decode_close(out, lse, *ref, tol=TOL_INTERP[case.q.dtype], what=f"{kv} {seq}")
+    with_empty, without = count_stores
+    assert with_empty["grid"] == without["grid"] and with_empty["stores"] == without["stores"]
+    assert with_empty["loads"] - without["loads"] == 3 * with_empty["grid"][1], \
+        (with_empty["loads"], without["loads"])
