@@ -33,8 +33,9 @@ _INTERPRETER_RELAXED = False
 def interpreter_release_semantics() -> None:
     """Make Triton's interpreter check integer overflow as a GPU release build does (not at
     all), skip its redundant re-patching on nested jit calls (``_skip_nested_repatching``)
-    and cache its per-op type bookkeeping (``_cache_interpreter_types``; numerics unchanged,
-    ``MLA_FUZZ_PLAIN_INTERPRETER=1`` turns that part off).
+    and cache its per-op type bookkeeping (``_cache_interpreter_types``) and launch set-up
+    for CPU arguments (``interp_launch``); numerics unchanged, ``MLA_FUZZ_PLAIN_INTERPRETER=1``
+    turns those two off.
 
     The interpreter runs with ``sanitize_overflow`` on and *executes* the check it implies
     on every int32 ``+``/``-``/``*`` (an int64 recomputation, two comparisons and a device
@@ -58,6 +59,9 @@ def interpreter_release_semantics() -> None:
         pass
     _skip_nested_repatching()
     _cache_interpreter_types()
+    if os.environ.get(PLAIN_INTERPRETER_ENV, "0") in ("", "0"):
+        from . import interp_launch
+        interp_launch.install()
 
 
 def _skip_nested_repatching() -> None:
@@ -665,12 +669,22 @@ def _sm_count(device: torch.device) -> int:
         return 132
 
 
+def _fp8_grouped_default(rows: int) -> bool:
+    """Whether the default config of ``rows`` query rows per request (``s_q * heads``)
+    takes the FP8 grouped-dot path: 17-32 rows. At 16 rows it was no faster than the
+    dequantise path (H200: within +-5%, H100: 6% slower at B=128, L=16k; see
+    benchmarks/results/h200-2026-11-26-fp8-decode.json, h100-2026-11-26-kernel.json), and
+    64-row blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``)."""
+    return 16 < rows <= 32
+
+
 def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = None, *,
                    fp8: bool = False, sparse: bool = False) -> DecodeConfig:
     """The configuration ``mla_decode`` and the backend use unless given one.
 
-    On CPU (interpreter) the tiles are large (one row block per request, 32 keys) and the
-    parts few (an odd count, so cuts fall inside requests and splits get exercised).
+    On CPU (interpreter) the tiles are large (one row block per request, 64 keys) and the
+    parts few (an odd count, so cuts fall inside requests and splits get exercised); FP8
+    caches take the same path as the GPU's default at that row count.
     On CUDA the values are the best of the sweeps recorded in ``benchmarks/results`` (H200,
     Triton 3.6): the row block follows the query rows per request (heads x MTP tokens) —
     16/32 rows for the memory-bound small-head case, 64 rows to feed the tensor cores when
@@ -684,25 +698,30 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     the fuzzer's top-k of up to 64 still spans two tiles, so splits are exercised.
     """
     device = torch.device(device) if device is not None else None
+    rows = s_q * spec.num_heads
     if device is None or device.type != "cuda":
         # Interpreted cost is per executed op, almost independent of tile size, so CPU tiles
         # are as large as coverage allows: every query row of a request in one row block,
-        # 32-key tiles (measured ~1.5x faster per forward than 16x16 on the fuzzer's tiny
-        # batches) — still several tiles per request at page sizes >= 16, so cuts inside
-        # requests (split-KV + combine) stay common.
-        rows = s_q * spec.num_heads
+        # 64-key tiles for the dense decode (a fuzz step has ~4 tiles a launch at 32 keys;
+        # 64 took a tenth off an emulated fuzz step) — still two or more tiles for requests
+        # longer than 64 keys (pages of 16 and 64), so cuts inside requests (split-KV +
+        # combine) stay common: 38% of the fuzzer's decode launches had a split request at
+        # 64 keys, 52% at 32. FP8 caches take the path the GPU's default takes at the same
+        # row count (``_fp8_grouped_default``), so the fuzzer's CPU runs exercise what a GPU
+        # run would -- and the dequantise path, with one dot per tile instead of four, is
+        # the cheaper one to interpret at 16 rows.
         block_m = min(max(next_pow2(rows), 16), 64)
-        return DecodeConfig(block_m=block_m, block_n=32, num_parts=5, min_tiles_per_part=1,
-                            num_warps=4, num_stages=1, combine_block_m=block_m)
-    rows = s_q * spec.num_heads
+        return DecodeConfig(block_m=block_m, block_n=32 if sparse else 64, num_parts=5, min_tiles_per_part=1,
+                            num_warps=4, num_stages=1, combine_block_m=block_m,
+                            fp8_grouped=_fp8_grouped_default(rows))
     prefetch = False
-    grouped = True
+    grouped = _fp8_grouped_default(rows)
     if rows <= 16:
         # FP8: the dequantise path with a register prefetch; the grouped-dot path was no
         # faster here (H200: within +-5%, H100: 6% slower at B=128, L=16k; see
         # benchmarks/results/h200-2026-11-26-fp8-decode.json, h100-2026-11-26-kernel.json)
         block_m, block_n, warps, stages = (16, 64, 8, 1) if fp8 else (16, 128, 8, 2)
-        prefetch, grouped = fp8, False
+        prefetch = fp8
     elif rows <= 32:
         # FP8: grouped dots + register prefetch, 1.4-1.5x the former default at s_q=2
         # (benchmarks/results/h200-2026-11-26-fp8-decode.json)
