@@ -669,12 +669,19 @@ def _sm_count(device: torch.device) -> int:
         return 132
 
 
-def _fp8_grouped_default(rows: int) -> bool:
+def _fp8_grouped_default(rows: int, device_type: str = "cuda") -> bool:
     """Whether the default config of ``rows`` query rows per request (``s_q * heads``)
-    takes the FP8 grouped-dot path: 17-32 rows. At 16 rows it was no faster than the
-    dequantise path (H200: within +-5%, H100: 6% slower at B=128, L=16k; see
-    benchmarks/results/h200-2026-11-26-fp8-decode.json, h100-2026-11-26-kernel.json), and
-    64-row blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``)."""
+    takes the FP8 grouped-dot path.
+
+    CUDA: up to 32 rows. With fp16 dots (``decode_split.FP8_FP16_DOTS``) it beat the
+    dequantise path at 16 rows too (H100, h=16: 1.05-1.07x with TMA loads, B 32/128, L 1k-16k,
+    ``benchmarks/results/h100-2026-11-26-fp8-f16.json``); 64-row blocks always dequantise
+    (``decode_split.GROUPED_MAX_BLOCK_M``). CPU (the interpreter): 17-32 rows, so the fuzzer's
+    CPU runs cover both FP8 paths (the tiny spec's 8-16 heads at s_q 1-4 span 8-64 rows),
+    the dequantise one, with one dot per tile instead of four, where it is also the cheaper
+    to interpret."""
+    if device_type == "cuda":
+        return rows <= 32
     return 16 < rows <= 32
 
 
@@ -689,9 +696,10 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     Triton 3.6): the row block follows the query rows per request (heads x MTP tokens) —
     16/32 rows for the memory-bound small-head case, 64 rows to feed the tensor cores when
     there are many heads; one persistent program per SM (``num_parts * m_blocks = SMs``)
-    beat two per SM in every swept case; FP8 caches take the dequantise path with a
-    register prefetch at 16 rows and the grouped-dot path with a prefetch at 32 (1.4-1.5x
-    there); 64-row blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``).
+    beat two per SM in every swept case; FP8 caches take the grouped-dot path with fp16
+    dots at 16 and 32 rows (2 and 3 stages: TMA loads at 16 on Hopper, twin loads at 32;
+    H100, ``h100-2026-11-26-fp8-f16.json``); 64-row blocks always dequantise
+    (``decode_split.GROUPED_MAX_BLOCK_M``).
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -706,31 +714,26 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # 64 took a tenth off an emulated fuzz step) — still two or more tiles for requests
         # longer than 64 keys (pages of 16 and 64), so cuts inside requests (split-KV +
         # combine) stay common: 38% of the fuzzer's decode launches had a split request at
-        # 64 keys, 52% at 32. FP8 caches take the path the GPU's default takes at the same
-        # row count (``_fp8_grouped_default``), so the fuzzer's CPU runs exercise what a GPU
-        # run would -- and the dequantise path, with one dot per tile instead of four, is
-        # the cheaper one to interpret at 16 rows.
+        # 64 keys, 52% at 32. FP8 caches take the dequantise path up to 16 rows and the
+        # grouped one above (``_fp8_grouped_default``): both paths get fuzzed.
         block_m = min(max(next_pow2(rows), 16), 64)
         return DecodeConfig(block_m=block_m, block_n=32 if sparse else 64, num_parts=5, min_tiles_per_part=1,
                             num_warps=4, num_stages=1, combine_block_m=block_m,
-                            fp8_grouped=_fp8_grouped_default(rows))
-    prefetch = False
+                            fp8_grouped=_fp8_grouped_default(rows, "cpu"))
     grouped = _fp8_grouped_default(rows)
     if rows <= 16:
-        # FP8: the dequantise path with a register prefetch; the grouped-dot path was no
-        # faster here (H200: within +-5%, H100: 6% slower at B=128, L=16k; see
-        # benchmarks/results/h200-2026-11-26-fp8-decode.json, h100-2026-11-26-kernel.json)
-        block_m, block_n, warps, stages = (16, 64, 8, 1) if fp8 else (16, 128, 8, 2)
-        prefetch = fp8
+        # FP8: grouped fp16 dots, 2 stages (TMA loads on Hopper): 1.05-1.07x the former
+        # dequantise + register prefetch default on an H100 (B 32/128, L 1k-16k,
+        # benchmarks/results/h100-2026-11-26-fp8-f16.json)
+        block_m, block_n, warps, stages = (16, 64, 8, 2) if fp8 else (16, 128, 8, 2)
     elif rows <= 32:
-        # FP8: grouped dots + register prefetch, 1.4-1.5x the former default at s_q=2
-        # (benchmarks/results/h200-2026-11-26-fp8-decode.json)
-        block_m, block_n, warps, stages = (32, 64, 8, 1) if fp8 else (32, 64, 8, 2)
-        prefetch = fp8
+        # FP8: grouped fp16 dots with twin loads at 3 stages: 1.15-1.23x the former register
+        # prefetch (num_stages=1) default on an H100 (same file; the prefetch had won on an
+        # H200 with bf16 dots, benchmarks/results/h200-2026-11-26-fp8-decode.json)
+        block_m, block_n, warps, stages = (32, 64, 8, 3) if fp8 else (32, 64, 8, 2)
     else:
         block_m, block_n, warps, stages = 64, 64, 8, 2
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     return DecodeConfig(block_m=block_m, block_n=block_n, num_parts=parts, min_tiles_per_part=2,
-                        num_warps=warps, num_stages=stages, combine_block_m=16, fp8_prefetch=prefetch,
-                        fp8_grouped=grouped)
+                        num_warps=warps, num_stages=stages, combine_block_m=16, fp8_grouped=grouped)

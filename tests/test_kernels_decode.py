@@ -286,12 +286,17 @@ def test_fp8_grouped_path_only_for_small_row_blocks():
 
 def test_fp8_path_choice_follows_config(monkeypatch):
     """``DecodeConfig.fp8_grouped`` picks the FP8 path per shape: the CUDA defaults take the
-    dequantise path at 16 rows (h=16, s_q=1) and the grouped one at 32 (s_q=2), and a config
+    grouped path at 16 and 32 rows (h=16, s_q 1/2) and dequantise at 64 (h=128); on CPU the
+    fuzzer's small row counts dequantise up to 16 rows, so both paths get fuzzed. A config
     with ``fp8_grouped=False`` still matches the reference (the launcher honours it)."""
     import kernels.decode_split as ds
     cuda = torch.device("cuda")
-    assert not default_config(ModelSpec(num_heads=16), 1, cuda, fp8=True).fp8_grouped
+    assert default_config(ModelSpec(num_heads=16), 1, cuda, fp8=True).fp8_grouped
     assert default_config(ModelSpec(num_heads=16), 2, cuda, fp8=True).fp8_grouped
+    assert not default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True).fp8_grouped
+    tiny = ModelSpec.tiny(num_heads=8)
+    assert not default_config(tiny, 2, torch.device("cpu"), fp8=True).fp8_grouped
+    assert default_config(tiny, 4, torch.device("cpu"), fp8=True).fp8_grouped
     seen = []
     real = ds._decode_split_kernel
 
