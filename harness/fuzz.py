@@ -76,20 +76,27 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     t0 = time.monotonic()
     if budget_s is not None:
         camp.deadline = t0 + budget_s
+    flaky = None
     try:
         found = search(camp, max_examples=examples, seed=seed, step_count=step_count, shrink=shrink,
                        shrink_seconds=shrink_seconds)
     except BudgetExhausted:
         found = None
-    except HypothesisException:
+    except HypothesisException as exc:
         # Ending the search from inside a scenario (budget or stop) can surface as
         # Hypothesis' "inconsistent data generation" when it lands on a replayed prefix.
-        # With no failure pending that is a normal end; anything else is a real error.
+        # With no failure pending that is a normal end. With one pending, the failure did
+        # not reproduce while being shrunk (Hypothesis' Flaky family): it is reported as
+        # found, unshrunk and marked flaky, never dropped. Anything else is a real error.
         stopped = (camp.deadline is not None and time.monotonic() > camp.deadline) or (
             should_stop is not None and should_stop())
-        if not stopped or "first_failure" in camp.stats:
+        if camp.first_failure is not None:
+            found = camp.first_failure
+            flaky = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        elif stopped:
+            found = None
+        else:
             raise
-        found = None
     report = FuzzReport(backend_ref, mode, seed, camp.stats["examples"], camp.stats["steps"],
                         time.monotonic() - t0, coverage=camp.stats["coverage"],
                         shrink_runs=camp.stats.get("shrink_runs", 0))
@@ -100,7 +107,10 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
         if on_phase is not None:
             on_phase("diagnose", {"cfg": found.cfg, "steps": found.steps, "failure": found.failure})
         diag = diagnose(backend_cls, found.cfg, found.steps, found.failure, mode, device)
-        report.repro = make_repro(backend_ref, mode, found.cfg, found.steps, found.failure, diag,
-                                  {"seed": seed, "examples": camp.stats["examples"],
-                                   "examples_to_detect": report.examples_to_detect})
+        search_info = {"seed": seed, "examples": camp.stats["examples"],
+                       "examples_to_detect": report.examples_to_detect}
+        if flaky is not None:
+            # not shrunk: Hypothesis could not make it fail again (the steps are as found)
+            search_info["flaky"] = flaky
+        report.repro = make_repro(backend_ref, mode, found.cfg, found.steps, found.failure, diag, search_info)
     return report

@@ -46,6 +46,9 @@ class Campaign:
     vary_heads: bool = True
     strict_contiguity: bool = True
     stats: dict = field(default_factory=lambda: {"examples": 0, "steps": 0, "coverage": {}})
+    # The first failure as found (unshrunk): what is left to report when shrinking cannot
+    # reproduce it (a flaky failure) and Hypothesis gives up on the search.
+    first_failure: FuzzFailure | None = None
     deadline: float | None = None
     # Called with (config, steps so far) right before each step runs, so a supervising
     # process can turn a step that kills this process into a repro (crash isolation).
@@ -123,7 +126,10 @@ def make_machine(c: Campaign):
                 self.runner.apply(step)
             except OracleFailure as f:
                 c.stats.setdefault("first_failure", {"examples": c.stats["examples"], "time": time.monotonic()})
-                raise FuzzFailure(f, self.cfg, list(self.steps)) from None
+                failure = FuzzFailure(f, self.cfg, list(self.steps))
+                if c.first_failure is None:
+                    c.first_failure = failure
+                raise failure from None
 
         def _capture(self, data):
             size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")

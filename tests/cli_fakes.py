@@ -14,6 +14,8 @@ purpose, only on some inputs, so the fuzzer has to find them:
 - ``AbortOnceBackend``: as ``AbortBackend``, but only while the file named by
   ``$MLA_FUZZ_TEST_MARKER`` does not exist (it creates it just before aborting): a worker
   death that a later replay does not reproduce, like a neighbour's GPU fault under MPS;
+- ``FlakyOnceBackend``: wrong outputs in a few forwards per process (a failure that does not
+  reproduce while being shrunk);
 - ``EnvProbeBackend``: clean; appends ``$CUDA_MPS_PIPE_DIRECTORY`` of its process to the
   file named by ``$MLA_FUZZ_TEST_ENVLOG`` (which environment did the worker get?).
 """
@@ -111,3 +113,23 @@ class EnvProbeBackend(RefBackend):
         super().__init__(*args, **kw)
         with open(os.environ["MLA_FUZZ_TEST_ENVLOG"], "a") as fh:
             fh.write(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "<unset>") + "\n")
+
+
+class FlakyOnceBackend(RefBackend):
+    """Exact, except for a few forwards per process: the first five with two or more real
+    rows, one of ``seq_len`` 0, return every output off by one. A failure that shrinking cannot
+    reproduce (Hypothesis' Flaky), like a GPU fault that depends on what ran before."""
+
+    name = "flaky-once"
+    fired = False
+    seen = 0
+
+    def forward(self, q, kv_cache, metadata, out=None):
+        o, lse = super().forward(q, kv_cache, metadata, out)
+        if FlakyOnceBackend.seen < 5 and metadata["real"] >= 2 and self.empty_real_row(metadata):
+            # the first five such forwards (some run inside a capture, whose outputs no
+            # oracle reads), then never again in this process
+            FlakyOnceBackend.seen += 1
+            FlakyOnceBackend.fired = True
+            o = o + 1.0
+        return o, lse
