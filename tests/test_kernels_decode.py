@@ -812,3 +812,23 @@ def test_decode_split_skips_empty_requests(kv, count_stores):
     assert with_empty["grid"] == without["grid"] and with_empty["stores"] == without["stores"]
     assert with_empty["loads"] - without["loads"] == 3 * with_empty["grid"][1], \
         (with_empty["loads"], without["loads"])
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_decode_split_empty_requests_with_the_gpu_structure(kv, monkeypatch):
+    """On the GPU an empty request's body runs with no tile (``SKIP_EMPTY`` off): its stores
+    are still skipped, so real rows match the reference and empty ones are 0 / -inf, also
+    for pieces cut inside requests (``num_parts=3``)."""
+    import kernels.decode_split as ds
+    monkeypatch.setattr(ds, "SKIP_EMPTY_ON_INTERPRETER", False)
+    spec = ModelSpec.tiny(num_heads=3)
+    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)
+    case = make_case(spec, seq_lens=[0, 9, 0, 0, 70, 0], q_lens=[0, 1, 0, 0, 2, 0], s_q=2, page_size=8,
+                     kv_dtype=kv, seed=6)
+    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_INTERP[case.q.dtype], what=f"{kv} without SKIP_EMPTY")
+    empty = case.seq_lens == 0
+    assert torch.equal(out[empty].float(), torch.zeros_like(out[empty].float()))
+    assert bool((lse[empty] == float("-inf")).all())
