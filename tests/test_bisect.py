@@ -504,9 +504,13 @@ def userbk_history(guilty=8, broken=5, n=12):
     return commits
 
 
-def lazy_repro(backend="userbk.backend:Backend", page_size=16, long_len=100) -> dict:
+def lazy_repro(backend="userbk.backend:Backend", page_size=16, long_len=120) -> dict:
     """The minimal scenario for the lazy-planning bug: warmup + capture share one build of
-    a short batch; the replay of a long batch then runs on the warmup's plan."""
+    a short batch; the replay of a long batch then runs on the warmup's plan. The decode
+    re-derives each request's tile count from the live lengths, so the stale plan shows as
+    a different summation (one piece instead of a split): replay != eager in the last bits.
+    ``long_len`` must make the two sums differ: at 64-key CPU tiles 100 happened to give
+    the same bits, 120 does not."""
     from harness.repro import FORMAT
     from harness.scenario import ScenarioConfig
     from mla_ref import ModelSpec
