@@ -691,7 +691,8 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
 
     On CPU (interpreter) the tiles are large (one row block per request, 64 keys) and the
     parts few (an odd count, so cuts fall inside requests and splits get exercised); FP8
-    caches take the same path as the GPU's default at that row count.
+    caches dequantise up to 16 rows and take the grouped path above, so both get fuzzed
+    (``_fp8_grouped_default``).
     On CUDA the values are the best of the sweeps recorded in ``benchmarks/results`` (H200,
     Triton 3.6): the row block follows the query rows per request (heads x MTP tokens) —
     16/32 rows for the memory-bound small-head case, 64 rows to feed the tensor cores when
