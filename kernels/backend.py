@@ -432,7 +432,8 @@ class TritonMLABackend:
 
     def _combine(self, md: TritonMLAMetadata, out, lse, partial_o, partial_lse) -> None:
         """Merge split rows and write 0 / -inf rows for requests without keys (all padded rows)."""
-        ops.combine(partial_o, partial_lse, md.num_splits, md.split_offsets, out, lse, md.config.combine_block_m)
+        ops.combine(partial_o, partial_lse, md.num_splits, md.split_offsets, out, lse, md.config.combine_block_m,
+                    md.config.combine_col_blocks)
 
     def _sparse_rows(self, md: TritonMLAMetadata) -> None:
         """Entries each sparse row reads, on the device, into ``md.topk_rows``: request b's
@@ -460,7 +461,7 @@ class TritonMLABackend:
         rows, h = md.padded_size * md.next_n, self.spec.num_heads
         ops.combine(partial_o, partial_lse, md.num_splits, md.split_offsets,
                     out.view(rows, 1, h, self.spec.kv_lora_rank), lse_rows.view(rows, h, 1),
-                    md.config.combine_block_m)
+                    md.config.combine_block_m, md.config.combine_col_blocks)
 
     def _indexer_context_lens(self, ctx: torch.Tensor, pad: int, width: int) -> torch.Tensor:
         """Build time: the per-token context lengths the indexer reads. ``ctx`` is this

@@ -114,7 +114,8 @@ def decode_sparse_rows(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.T
                       spec.qk_rope_head_dim, spec.fp8_group, cfg.block_m, cfg.block_n, cfg.num_warps,
                       cfg.num_stages)
     ops.combine(partial_o, partial_lse, sched.num_splits, sched.split_offsets,
-                out.view(B * s_q, 1, h, spec.kv_lora_rank), lse_rows.view(B * s_q, h, 1), cfg.combine_block_m)
+                out.view(B * s_q, 1, h, spec.kv_lora_rank), lse_rows.view(B * s_q, h, 1), cfg.combine_block_m,
+                cfg.combine_col_blocks)
     lse.copy_(lse_rows.view(B, s_q, h).permute(0, 2, 1))
 
 
@@ -201,5 +202,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                      sched.split_offsets, out, lse, partial_o, partial_lse, scale, spec.kv_lora_rank,
                      spec.qk_rope_head_dim, spec.fp8_group, config.block_m, config.block_n, config.num_warps,
                      config.num_stages, config.fp8_prefetch, config.fp8_grouped)
-    ops.combine(partial_o, partial_lse, sched.num_splits, sched.split_offsets, out, lse, config.combine_block_m)
+    ops.combine(partial_o, partial_lse, sched.num_splits, sched.split_offsets, out, lse, config.combine_block_m,
+                config.combine_col_blocks)
     return out, lse

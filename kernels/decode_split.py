@@ -162,6 +162,17 @@ body -- q loads, loop, epilogue: every executed op costs 15-20 us there whatever
 and the fuzzer's padded rows are such requests. That outer branch is compiled out on the
 GPU, where it cost 5-10% at s_q=2 (same cases).
 
+The page size is a compile-time constant (``PAGE``). Each tile maps its keys to cache rows
+through ``offs_n // PAGE`` and ``offs_n % PAGE``; with the page size a runtime argument those
+were signed integer divisions, and Nsight Compute's per-instruction counts on an H100 put
+about 40% of the bf16 decode's executed instructions in integer arithmetic (``IMAD``,
+``IABS``, ``IMAD.HI``, ``SEL``, ...: the division sequence) while the kernel is bound by
+instruction latency (two warps per scheduler). As a constant -- a power of two in every
+deployment -- they are a shift and a mask. One kernel is compiled per page size a process
+uses. Same H100, one command, old and new code
+(``benchmarks/results/h100-2026-11-26-kernel-pageconst-{before,after}.json``): bf16 h=128
+1.04-1.15x, bf16 h=16 s_q=1 1.05-1.12x, bf16 h=16 s_q=2 0.97-1.07x, FP8 h=16 1.00-1.03x.
+
 Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
 ``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
 (decided on the host); on the GPU bf16/fp16 operands feed the tensor cores directly.
@@ -369,7 +380,7 @@ def _fp8_tma_descriptors(kv_cache: torch.Tensor, *, rank: int, rope_dim: int, fp
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                          out_ptr, lse_ptr, po_ptr, plse_ptr, codes_desc, scales_desc, rope_desc,
-                         bt_stride, partial_cap, qk_scale, SQ, H, PAGE,
+                         bt_stride, partial_cap, qk_scale, SQ, H, PAGE: tl.constexpr,
                          RANK: tl.constexpr, ROPE: tl.constexpr,
                          GROUP: tl.constexpr, TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
@@ -496,8 +507,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                     # tile t0's bytes, carried into the loop (see FP8_PREFETCH in the module doc)
                     offs_n = t0 * BLOCK_N + offs_nb
                     kv_ok = (offs_n < seq_len) & ((offs_nb * 0 + t0) < t1)
-                    page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
-                    cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+                    pos_u = offs_n.to(tl.uint32)  # >= 0: unsigned // and % by the constant PAGE
+                    page_id = tl.load(bt_row + pos_u // PAGE, mask=kv_ok, other=0)
+                    cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + pos_u % PAGE) * TOKEN_STRIDE
                     rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
                                        + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
                     if GROUPED:
@@ -555,8 +567,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                         nxt_ok = (nxt_n < seq_len) & ((offs_nb * 0 + tile + 1) < t1)
                         # -- key positions -> cache slots (the sparse-decode hook: read slots from
                         #    `indices` here and below instead of the block table)
-                        page_id = tl.load(bt_row + nxt_n // PAGE, mask=nxt_ok, other=0)
-                        cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + nxt_n % PAGE) * TOKEN_STRIDE
+                        pos_u = nxt_n.to(tl.uint32)  # >= 0: unsigned // and % by the constant PAGE
+                        page_id = tl.load(bt_row + pos_u // PAGE, mask=nxt_ok, other=0)
+                        cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + pos_u % PAGE) * TOKEN_STRIDE
                         k_rope = rope_raw
                         rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
                                            + offs_p[None, :], mask=nxt_ok[:, None], other=0.0)
@@ -583,8 +596,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                             codes = tl.load(cur_row[:, None] + offs_r[None, :], mask=nxt_ok[:, None], other=0)
                     else:
                         # -- key positions -> cache slots (the sparse-decode hook, as above)
-                        page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
-                        kv_row = kv_ptr + (page_id.to(tl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+                        pos_u = offs_n.to(tl.uint32)  # >= 0: unsigned // and % by the constant PAGE
+                        page_id = tl.load(bt_row + pos_u // PAGE, mask=kv_ok, other=0)
+                        kv_row = kv_ptr + (page_id.to(tl.int64) * PAGE + pos_u % PAGE) * TOKEN_STRIDE
                         k_rope = tl.load((kv_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
                                          + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
                         if GROUPED:
@@ -653,8 +667,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                 else:
                     # -- key positions -> cache slots (the sparse-decode hook: read slots from
                     #    `indices` here instead of the block table; the rest is slot-agnostic)
-                    page_id = tl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
-                    slots = page_id.to(tl.int64) * PAGE + offs_n % PAGE
+                    pos_u = offs_n.to(tl.uint32)  # >= 0: unsigned // and % by the constant PAGE
+                    page_id = tl.load(bt_row + pos_u // PAGE, mask=kv_ok, other=0)
+                    slots = page_id.to(tl.int64) * PAGE + pos_u % PAGE
                     # -- one latent KV row per key, shared by every query row of the program;
                     #    these loads feed the dots directly and Triton pipelines them (num_stages).
                     #    (Inlined rather than helpers: the interpreter re-patches triton.language
@@ -782,7 +797,7 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     _decode_split_kernel[grid](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, *descs,
-        block_table.shape[1], partial_o.shape[0], float(softmax_scale) * _LOG2E, s_q, h, page,
+        block_table.shape[1], partial_o.shape[0], float(softmax_scale) * _LOG2E, s_q, h, PAGE=page,
         RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
         FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32,
         # None: Triton's default precision (only fp32 operands care, and those come with DOT_F32)

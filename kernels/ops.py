@@ -235,9 +235,13 @@ def _decode_sparse_fake(q, kv_cache, indices, row_start, row_len, part_info, num
 
 # --------------------------------------------------------------------------- combine
 
-def _check_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse):
+def _check_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, col_blocks=1):
     check_tensor("out", out, dtypes=_Q, shape=(None, None, None, None), shape_text="[B, s_q, h, rank]")
     B, s_q, h, rank = out.shape
+    cols = rank // col_blocks if isinstance(col_blocks, int) and col_blocks >= 1 else 0
+    if cols < 1 or cols * col_blocks != rank or cols & (cols - 1):
+        raise ValueError(f"col_blocks must divide rank={rank} into power-of-two column blocks, "
+                         f"got {col_blocks!r}")
     rows = s_q * h
     check_tensor("lse", lse, dtypes=_F32, shape=(B, h, s_q), shape_text=f"[B={B}, h={h}, s_q={s_q}] fp32")
     check_tensor("partial_o", partial_o, dtypes=_F32, shape=(None, rows, rank),
@@ -252,14 +256,17 @@ def _check_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse):
 
 @torch.library.custom_op("mla_fuzz::combine", mutates_args=("out", "lse"))
 def combine(partial_o: torch.Tensor, partial_lse: torch.Tensor, num_splits: torch.Tensor,
-            split_offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, block_m: int) -> None:
+            split_offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, block_m: int,
+            col_blocks: int = 1) -> None:
     """Merge split requests' partials into ``out [B, s_q, h, rank]`` / ``lse`` fp32 ``[B, h, s_q]``
-    and write 0 / -inf for requests with no keys (``num_splits == 0``)."""
-    _check_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse)
-    launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, block_m=block_m)
+    and write 0 / -inf for requests with no keys (``num_splits == 0``); ``col_blocks``
+    programs per row block share the latent columns (``rank / col_blocks`` a power of two)."""
+    _check_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, col_blocks)
+    launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, block_m=block_m,
+                   col_blocks=col_blocks)
 
 
 @combine.register_fake
-def _combine_fake(partial_o, partial_lse, num_splits, split_offsets, out, lse, block_m) -> None:
-    _check_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse)
+def _combine_fake(partial_o, partial_lse, num_splits, split_offsets, out, lse, block_m, col_blocks=1) -> None:
+    _check_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, col_blocks)
 

@@ -34,8 +34,10 @@ def merge_reference(po, plse, first, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("s_q,h", [(2, 3), (1, 16), (3, 8)])
-def test_combine_by_kind_of_request(dtype, s_q, h):
+@pytest.mark.parametrize("s_q,h,col_blocks", [(2, 3, 1), (1, 16, 1), (3, 8, 1), (2, 3, 4), (1, 16, 2)])
+def test_combine_by_kind_of_request(dtype, s_q, h, col_blocks):
+    """Also with the latent columns split over programs (``col_blocks``): every column of
+    every row is merged, lse is written once, untouched requests stay untouched."""
     g = torch.Generator().manual_seed(3)
     rank, cap = 32, 12
     rows = s_q * h
@@ -54,7 +56,7 @@ def test_combine_by_kind_of_request(dtype, s_q, h):
     lse = torch.full((B, h, s_q), SENTINEL, dtype=torch.float32)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     out_d, lse_d = dev(out), dev(lse)
-    ops.combine(dev(po), dev(plse), dev(nsplit), dev(offsets), out_d, lse_d, 16)
+    ops.combine(dev(po), dev(plse), dev(nsplit), dev(offsets), out_d, lse_d, 16, col_blocks)
     out, lse = out_d.cpu(), lse_d.cpu()
     lse_rows = lse.permute(0, 2, 1).reshape(B, rows)  # [B, h, s_q] -> rows token-major
     out_rows = out.reshape(B, rows, rank)
@@ -92,3 +94,14 @@ def test_combine_clamps_pieces_to_the_buffer():
     torch.testing.assert_close(out[0, 0].double(), o_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse[0, :, 0].double(), lse_ref, rtol=1e-5, atol=1e-5)
     assert (out[1] == 0).all() and (lse[1] == -math.inf).all()
+
+
+@pytest.mark.parametrize("col_blocks", [0, 3, 64])
+def test_combine_rejects_bad_column_blocks(col_blocks):
+    """``col_blocks`` must cut the rank into power-of-two column blocks: a clear ValueError
+    before any launch (rank 32: 3 does not divide it, 64 leaves no column)."""
+    po, plse = torch.zeros(2, 4, 32), torch.zeros(2, 4)
+    nsplit, offsets = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    out, lse = torch.zeros(1, 1, 4, 32), torch.zeros(1, 4, 1)
+    with pytest.raises(ValueError, match="col_blocks"):
+        ops.combine(po, plse, nsplit, offsets, out, lse, 16, col_blocks)
