@@ -697,14 +697,14 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     parts few (an odd count, so cuts fall inside requests and splits get exercised); FP8
     caches dequantise up to 16 rows and take the grouped path above, so both get fuzzed
     (``_fp8_grouped_default``).
-    On CUDA the values are the best of the sweeps recorded in ``benchmarks/results`` (H200,
-    Triton 3.6): the row block follows the query rows per request (heads x MTP tokens) —
-    16/32 rows for the memory-bound small-head case, 64 rows to feed the tensor cores when
-    there are many heads; one persistent program per SM (``num_parts * m_blocks = SMs``)
-    beat two per SM in every swept case; FP8 caches take the grouped-dot path with fp16
-    dots at 16 and 32 rows (2 and 3 stages: TMA loads at 16 on Hopper, twin loads at 32;
-    H100, ``h100-2026-11-26-fp8-f16.json``); 64-row blocks always dequantise
-    (``decode_split.GROUPED_MAX_BLOCK_M``).
+    On CUDA the values are the best of the sweeps recorded in ``benchmarks/results`` (H200
+    and H100, Triton 3.6): the row block follows the query rows per request (heads x MTP
+    tokens) — 16/32 rows for the memory-bound small-head case, 64 rows to feed the tensor
+    cores when there are many heads; one persistent program per SM (``num_parts * m_blocks
+    = SMs``) beat two per SM in every swept case; FP8 caches take the grouped-dot path with
+    fp16 dots at 16 and 32 rows (128- and 64-key tiles, twin loads; H100,
+    ``h100-2026-11-26-config-sweep-pageconst.json``); 64-row blocks always dequantise
+    (``decode_split.GROUPED_MAX_BLOCK_M``); the combine splits the latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -726,16 +726,17 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
                             num_warps=4, num_stages=1, combine_block_m=block_m,
                             fp8_grouped=_fp8_grouped_default(rows, "cpu"))
     grouped = _fp8_grouped_default(rows)
+    # Re-swept on an H100 after the page size became a compile-time constant
+    # (benchmarks/results/h100-2026-11-26-config-sweep-pageconst.json; B 8-128, L 1k-16k):
     if rows <= 16:
-        # FP8: grouped fp16 dots, 2 stages (TMA loads on Hopper): 1.05-1.07x the former
-        # dequantise + register prefetch default on an H100 (B 32/128, L 1k-16k,
-        # benchmarks/results/h100-2026-11-26-fp8-f16.json)
-        block_m, block_n, warps, stages = (16, 64, 8, 2) if fp8 else (16, 128, 8, 2)
+        # FP8: grouped fp16 dots over 128-key tiles, twin loads, 2 stages: 1.10x the 64-key TMA
+        # config (which needs the tile inside one page, so 128-key tiles take it only at pages
+        # of 128+); bf16: unchanged, still the best of 7
+        block_m, block_n, warps, stages = (16, 128, 8, 2)
     elif rows <= 32:
-        # FP8: grouped fp16 dots with twin loads at 3 stages: 1.15-1.23x the former register
-        # prefetch (num_stages=1) default on an H100 (same file; the prefetch had won on an
-        # H200 with bf16 dots, benchmarks/results/h200-2026-11-26-fp8-decode.json)
-        block_m, block_n, warps, stages = (32, 64, 8, 3) if fp8 else (32, 64, 8, 2)
+        # FP8: 2 stages, 1.03-1.04x the former 3; bf16: 128-key tiles at 3 stages, 1.04x the
+        # former 64-key / 2-stage config (faster in 4 of its 5 cases, 1.2x at B=128, L=16k)
+        block_m, block_n, warps, stages = (32, 64, 8, 2) if fp8 else (32, 128, 8, 3)
     else:
         block_m, block_n, warps, stages = 64, 64, 8, 2
     m_blocks = -(-rows // block_m)

@@ -437,8 +437,10 @@ def test_decode_fp8_tma_falls_back_when_tiles_cross_pages(monkeypatch, e4m3_nan)
 
 def test_fp8_tma_plan_host_decision(monkeypatch):
     """``fp8_tma_plan`` (host only, no GPU needed): the shipped CUDA default config for the
-    memory-bound 16-row FP8 shape (h=16, s_q=1, page 64) takes the TMA path on compute
-    capability 9.x (32 rows, s_q=2, does not: measured slower), pipelined (their num_stages=1 is read as FP8_TMA_STAGES); not on 8.x, not
+    memory-bound 16-row FP8 shape (h=16, s_q=1) has 128-key tiles, which take the TMA path
+    at pages of 128 but not 64 (a box must stay inside one page); its 64-key variant takes it
+    at page 64 on compute capability 9.x (32 rows, s_q=2, do not: measured slower),
+    pipelined (num_stages=1 is read as FP8_TMA_STAGES); not on 8.x, not
     with the switch off, not for 64-row blocks, not for a misaligned or non-contiguous cache;
     off on a CPU tensor unless FP8_TMA_ANY_DEVICE; deep pipelines are cut to the smem budget."""
     import kernels.decode_split as ds
@@ -452,8 +454,13 @@ def test_fp8_tma_plan_host_decision(monkeypatch):
                                capability=cap, **dims)
 
     assert not plan(default_config(spec, 2, cuda, fp8=True)).use  # 32 rows: measured slower
+    # the 16-row default takes 128-key tiles (measured faster): no TMA at page 64, TMA at 128
+    assert default_config(spec, 1, cuda, fp8=True).block_n == 128
+    assert not plan(default_config(spec, 1, cuda, fp8=True)).use
+    page128 = torch.zeros(3, 128, spec.fp8_bytes_per_token, dtype=torch.uint8)
+    assert plan(default_config(spec, 1, cuda, fp8=True), kv=page128).use
     for s_q in (1,):
-        cfg = default_config(spec, s_q, cuda, fp8=True)
+        cfg = default_config(spec, s_q, cuda, fp8=True).with_(block_n=64)
         p = plan(cfg)
         assert p.use and p.num_stages == (cfg.num_stages if cfg.num_stages >= 2 else ds.FP8_TMA_STAGES), p
         assert plan(cfg, cap=(10, 0)).use
@@ -467,7 +474,7 @@ def test_fp8_tma_plan_host_decision(monkeypatch):
         assert not plan(cfg.with_(block_n=128, num_stages=2), kv=cache).use  # 64 % 128
     big = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
     assert big.block_m == 64 and not plan(big).use
-    cfg = default_config(spec, 1, cuda, fp8=True)
+    cfg = default_config(spec, 1, cuda, fp8=True).with_(block_n=64)
     assert plan(cfg.with_(num_stages=4)).num_stages == 4
     cut = plan(cfg.with_(num_stages=8))
     assert cut.use and cut.num_stages * cfg.block_n * spec.fp8_bytes_per_token <= ds.FP8_TMA_SMEM_BUDGET < \
