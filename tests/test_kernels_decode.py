@@ -214,9 +214,10 @@ def test_decode_long_split_gpu(kv):
 
 # the FP8 load paths of the default configs (checked on an H200 before they became defaults),
 # plus the grouped-dot twin loads (num_stages >= 2, block_m <= 32) at the shapes it may be tuned to
+# (128-key tiles at 16 rows: the default since the H100 re-sweep)
 _GPU_FP8_VARIANTS = [(16, 1, DecodeConfig(block_m=16, block_n=bn, num_warps=8, num_stages=st, num_parts=132,
                                           fp8_prefetch=pf)) for bn, st, pf in ((64, 1, True), (64, 2, False),
-                                                                               (32, 3, False))] + \
+                                                                               (32, 3, False), (128, 2, False))] + \
                     [(16, 2, DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, num_parts=132))] + \
                     [(128, 2, DecodeConfig(block_m=64, block_n=bn, num_warps=8, num_stages=st, num_parts=33,
                                            fp8_prefetch=pf)) for bn, st, pf in ((64, 2, False), (32, 1, True))]
@@ -242,7 +243,8 @@ def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, tma, monkeypatch):
                                   q_lens=case.q_lens, config=cfg)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=f"{cfg} tma={tma}")
-    expect_tma = tma and cfg.block_m <= ds.TMA_MAX_BLOCK_M and torch.cuda.get_device_capability() >= (9, 0)
+    expect_tma = tma and cfg.block_m <= ds.TMA_MAX_BLOCK_M and torch.cuda.get_device_capability() >= (9, 0) \
+        and 64 % cfg.block_n == 0  # a TMA box stays inside one page
     assert [u for u, _, _ in seen] == [expect_tma]
 
 
@@ -251,14 +253,16 @@ def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, tma, monkeypatch):
 @pytest.mark.parametrize("s_q,stages", [(1, 2), (1, 4), (2, 3), (2, 4)])
 def test_decode_fp8_tma_stages_gpu(s_q, stages, grouped, monkeypatch):
     """The TMA path at the pipeline depths the benchmark's ``--tma`` times (h=16, the shipped
-    configs with num_stages 2-4, page 64, NaN past every request's length)."""
+    configs at 64-key tiles -- the TMA shape at page 64 -- with num_stages 2-4, NaN past every
+    request's length)."""
     import kernels.decode_split as ds
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability >= 9")
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
     seen = _spy_launches(monkeypatch, ds)
     spec = ModelSpec(num_heads=16)
-    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(num_stages=stages, fp8_grouped=grouped)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=64, num_stages=stages,
+                                                                          fp8_grouped=grouped)
     case = make_case(spec, seq_lens=[2100, 1, 0, 64, 127, 700], q_lens=[s_q, 1, 0, 1, s_q, s_q], s_q=s_q,
                      page_size=64, kv_dtype="fp8", seed=13, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
@@ -636,8 +640,9 @@ def test_decode_fp8_fp16_dots_gpu(s_q, stages, prefetch, tma, f16, monkeypatch):
     monkeypatch.setattr(ds, "FP8_TMA", tma)
     seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS", "USE_TMA")
     spec = ModelSpec(num_heads=16)
-    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(num_stages=stages, fp8_prefetch=prefetch,
-                                                                          fp8_grouped=True)
+    # 64-key tiles: the shape every load variant (TMA at page 64, register prefetch) applies to
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=64, num_stages=stages,
+                                                                          fp8_prefetch=prefetch, fp8_grouped=True)
     case, big = _f16_dots_case(spec, seq_lens=[2100, 1, 0, 64, 127, 700], q_lens=[s_q, 1, 0, 1, s_q, s_q], s_q=s_q,
                                page_size=64, seed=17, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
