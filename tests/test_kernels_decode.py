@@ -221,12 +221,15 @@ _GPU_FP8_VARIANTS = [(16, 1, DecodeConfig(block_m=16, block_n=bn, num_warps=8, n
                     [(16, 2, DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, num_parts=132))] + \
                     [(128, 2, DecodeConfig(block_m=64, block_n=bn, num_warps=8, num_stages=st, num_parts=33,
                                            fp8_prefetch=pf)) for bn, st, pf in ((64, 2, False), (32, 1, True))]
+# each variant on both FP8 paths, except the dequantise path at 128-key tiles: its [128, rank]
+# dequantised tile does not fit an H100's shared memory (OutOfResources; no config picks it)
+_GPU_FP8_PATH_CASES = [(h, s_q, cfg, grouped) for h, s_q, cfg in _GPU_FP8_VARIANTS for grouped in (True, False)
+                       if grouped or cfg.block_n <= 64]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "ptr"])
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dequant"])
-@pytest.mark.parametrize("heads,s_q,cfg", _GPU_FP8_VARIANTS)
+@pytest.mark.parametrize("heads,s_q,cfg,grouped", _GPU_FP8_PATH_CASES)
 def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, tma, monkeypatch):
     """Every FP8 load path the benchmark may pick is checked against the reference, on both
     FP8 paths (kernels.decode_split.FP8_GROUPED_DOTS), with TMA tile loads (FP8_TMA; taken
