@@ -173,6 +173,22 @@ uses. Same H100, one command, old and new code
 (``benchmarks/results/h100-2026-11-26-kernel-pageconst-{before,after}.json``): bf16 h=128
 1.04-1.15x, bf16 h=16 s_q=1 1.05-1.12x, bf16 h=16 s_q=2 0.97-1.07x, FP8 h=16 1.00-1.03x.
 
+Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
+
+- 64-row blocks (h=128): Triton gives a dot whose result feeds another dot all the warps
+  along M (``warpsPerTileV3`` in its ``AccelerateMatmul``), and 64 rows fill one warpgroup,
+  so with 8 warps both warpgroups compute the same ``Q K^T`` tile (72 ``HGMMA.64x32x16`` a
+  warp a tile: the whole S each). The scores' tensor-core work doubles; 4 warps would hold
+  the ``[64, 512]`` fp32 accumulator in 256 registers a thread. About 38% of the measured
+  bf16 matmul rate at s_q=2.
+- 16/32-row blocks of bf16 at 128-key tiles: one tile buffer (147 KiB) per program and one
+  program per SM, so a program loads, then computes. Long requests still reach 88-97% of
+  copy bandwidth (programs drift out of step and share the memory system); short batches
+  run in lock step.
+- Swapping the dots (``K @ q^T``, so the key tile is the wgmma M) was tried and was no
+  faster (0.85-1.02x bf16, 0.2-0.87x FP8; still 255 registers a thread;
+  ``benchmarks/results/h100-2026-11-26-swap-dots.json``).
+
 Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
 ``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
 (decided on the host); on the GPU bf16/fp16 operands feed the tensor cores directly.
