@@ -267,7 +267,8 @@ FP8_TMA_SMEM_BUDGET = 176 * 1024
 #: Largest row block that takes the TMA path. Measured on an H100 (h=16, B 32/128, L 1k-16k,
 #: ``benchmarks/results/h100-2026-11-26-fp8-tma.json``): at 16 rows TMA was 1.02-1.07x the
 #: pointer path with its register prefetch, at 32 rows (the grouped path of s_q=2) 0.90-0.96x,
-#: so 32-row blocks keep the pointer path. 64-row blocks (h=128) could not take it anyway:
+#: so 32-row blocks keep the pointer path (re-measured with fp16 dots and the page-size
+#: constant: 0.91-0.92x, ``h100-2026-11-26-fp8-recheck.json``). 64-row blocks (h=128) could not take it anyway:
 #: they stage their wgmma operands in shared memory as well (``q_lat`` and the converted K,
 #: 64 KiB each at rank 512), leaving no room for two tile buffers.
 TMA_MAX_BLOCK_M = 16
@@ -276,7 +277,9 @@ TMA_MAX_BLOCK_M = 16
 #: Largest row block that takes the grouped-dot path: at 64 rows (h=128) its four
 #: ``[BLOCK_M, RANK/4]`` accumulators and operands spill, and it ran 1.8x slower than the
 #: dequantise path on an H200 (h=128, s_q=2, B=128, L=16k: 9.9 vs 5.4 ms,
-#: benchmarks/results/h200-2026-11-26-kernel-fp8-paths.json).
+#: benchmarks/results/h200-2026-11-26-kernel-fp8-paths.json). With fp16 dots and the
+#: page-size constant it draws level on an H100 (0.98-1.01x; ``h100-2026-11-26-fp8-recheck.json``),
+#: still not faster, so 64-row blocks keep dequantising.
 GROUPED_MAX_BLOCK_M = 32
 
 
