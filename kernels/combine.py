@@ -34,7 +34,9 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
-    pid_r = tl.program_id(2)
+    # one column block (the interpreter's default): no column offset, every program stores
+    # its rows' lse -- compile-time branches, so the interpreter executes no extra op
+    ONE_COL: tl.constexpr = BLOCK_R == RANK
     ROWS = SQ * H
     LN2: tl.constexpr = 0.6931471805599453
     nsplit = tl.load(nsplit_ptr + b)
@@ -46,14 +48,20 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
     row_ok = offs_m < ROWS
     tok = offs_m // H
     head = offs_m % H
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    if ONE_COL:
+        offs_r = tl.arange(0, BLOCK_R)
+        lse_here = True
+    else:
+        pid_r = tl.program_id(2)
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        lse_here = pid_r == 0  # one column block writes the rows' lse
     out_rows = out_ptr + b * (ROWS * RANK) + offs_m[:, None] * RANK + offs_r[None, :]
     lse_rows = lse_ptr + b * ROWS + head * SQ + tok
     if nsplit <= 0:
         # no keys (seq_len 0, e.g. a padded request): out 0 / lse -inf, the values the
         # merge below gives with no piece, without its loops and arithmetic
         tl.store(out_rows, tl.zeros([BLOCK_M, BLOCK_R], dtype=out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        if pid_r == 0:  # one column block writes the rows' lse
+        if lse_here:
             tl.store(lse_rows, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), mask=row_ok)
         return
     first = tl.load(off_ptr + b)
@@ -79,7 +87,7 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
     o = acc / tl.where(has_keys, l_sum, 1.0)[:, None]
     lse = tl.where(has_keys, (m_ref + tl.log2(tl.where(has_keys, l_sum, 1.0))) * LN2, float("-inf"))
     tl.store(out_rows, to_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    if pid_r == 0:
+    if lse_here:
         tl.store(lse_rows, lse, mask=row_ok)
 
 
