@@ -44,6 +44,12 @@ timed with ``triton.testing.do_bench`` (median, L2 flushed), via ``benchmarks/ke
    the speedup over ``shipped@default``. ~110 measurements and ~18 kernels to compile:
    ``--budget-s 280`` finishes within ~300 s on an H100.
 
+5. ``--pmem``: P through memory (``P_VIA_MEMORY``, module doc of ``kernels.decode_split``,
+   "P through memory") at h = 128 query heads (64-row blocks, the dequantise path), on the
+   same grid: per s_q the former default config (64-key tiles, 2 stages, parts of >= 2 tiles) with the switch off
+   (``off@bn64st2``, the baseline) and on, and the shipped ``default_config`` (128-key tiles,
+   1 stage) off and on. Rows as for ``--tma`` plus TFLOP/s. 48 measurements, 8 kernels.
+
 ``--dry-run`` prints the planned settings (configs, switches, and the TMA decision an sm_90
 device would get) without a GPU.
 
@@ -55,6 +61,7 @@ Stops starting new measurements after ``--budget-s`` seconds (default 110).
     python benchmarks/fp8_decode_bench.py --out benchmarks/results/<gpu>-<date>-fp8-decode.json
     python benchmarks/fp8_decode_bench.py --tma --budget-s 420 --out benchmarks/results/<gpu>-<date>-fp8-tma.json
     python benchmarks/fp8_decode_bench.py --f16 --budget-s 280 --out benchmarks/results/<gpu>-<date>-fp8-f16.json
+    python benchmarks/fp8_decode_bench.py --pmem --budget-s 200 --out benchmarks/results/<gpu>-<date>-fp8-pmem.json
 """
 from __future__ import annotations
 
@@ -80,23 +87,27 @@ from kernels import DecodeConfig, default_config  # noqa: E402
 import kernels.decode_split as ds  # noqa: E402
 
 HEADS = 16
-SWITCHES = ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS")
+SWITCHES = ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS", "P_VIA_MEMORY")
 #: the module switches as shipped (read at import, in the workers too)
 SHIPPED = {k: getattr(ds, k) for k in SWITCHES}
+_PMEM = dict(P_VIA_MEMORY=True)  # P through memory only applies at 64-row blocks (h=128)
 VARIANTS = {  # module switches of kernels.decode_split per variant (all of SWITCHES set every time)
-    "dequant": dict(FP8_GROUPED_DOTS=False, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
-    "grouped": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
-    "grouped-single": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=False, FP8_TMA=False, FP8_FP16_DOTS=True),
+    "dequant": dict(FP8_GROUPED_DOTS=False, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True, **_PMEM),
+    "grouped": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True, **_PMEM),
+    "grouped-single": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=False, FP8_TMA=False, FP8_FP16_DOTS=True, **_PMEM),
     # --tma: the path follows the config (fp8_grouped), loads by pointer or through TMA
-    "ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
-    "tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=True),
+    "ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True, **_PMEM),
+    "tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=True, **_PMEM),
     # --f16: everything as shipped (the baseline); the grouped path's fp16 / bf16 dots by
     # pointer loads or through TMA
     "shipped": dict(SHIPPED),
-    "f16-ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True),
-    "bf16-ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=False),
-    "f16-tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=True),
-    "bf16-tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=False),
+    "f16-ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=True, **_PMEM),
+    "bf16-ptr": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=False, FP8_FP16_DOTS=False, **_PMEM),
+    "f16-tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=True, **_PMEM),
+    "bf16-tma": dict(FP8_GROUPED_DOTS=True, FP8_TWIN_LOADS=True, FP8_TMA=True, FP8_FP16_DOTS=False, **_PMEM),
+    # --pmem: everything as shipped, P through memory off / on (h=128)
+    "pmem-off": dict(SHIPPED, P_VIA_MEMORY=False),
+    "pmem-on": dict(SHIPPED, P_VIA_MEMORY=True),
 }
 assert all(set(v) == set(SWITCHES) for v in VARIANTS.values())
 TMA_STAGES = (2, 3, 4)
@@ -144,6 +155,19 @@ def f16_settings(s_q: int) -> list[tuple[str, str, DecodeConfig]]:
     return out
 
 
+PMEM_HEADS = 128
+
+
+def pmem_settings(s_q: int) -> list[tuple[str, str, DecodeConfig]]:
+    """``(label, variant, config)`` timed per case by ``--pmem`` (module doc, item 5), h=128:
+    P through memory off / on at the former default (64-key tiles, 2 stages; the baseline,
+    off) and at the shipped default (128-key tiles, 1 stage)."""
+    base = shipped_config(s_q, PMEM_HEADS)
+    old = base.with_(block_n=64, num_stages=2, min_tiles_per_part=2)
+    return [("off@bn64st2", "pmem-off", old), ("on@bn64st2", "pmem-on", old),
+            ("off@default", "pmem-off", base), ("on@default", "pmem-on", base)]
+
+
 def tma_plan_record(cache, cfg: DecodeConfig, capability=None) -> dict:
     """What ``kernels.decode_split.fp8_tma_plan`` decides for this cache and config under the
     switches now set (the launcher makes the same call; ``capability``: as for a device of
@@ -161,8 +185,8 @@ def make_cfg(rows: int, sms: int, bn: int, warps: int, stages: int, prefetch: bo
                         num_parts=max(1, sms // m_blocks), min_tiles_per_part=2)
 
 
-def shipped_config(s_q: int) -> DecodeConfig:
-    return default_config(ModelSpec(num_heads=HEADS), s_q, torch.device("cuda"), fp8=True)
+def shipped_config(s_q: int, heads: int = HEADS) -> DecodeConfig:
+    return default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=True)
 
 
 def sweep_plan(s_q: int, sms: int) -> list[tuple[str, DecodeConfig]]:
@@ -190,9 +214,9 @@ def sweep_plan(s_q: int, sms: int) -> list[tuple[str, DecodeConfig]]:
 
 # --------------------------------------------------------------------------- precompile
 
-def _warm_worker(jobs: list[tuple[str, int, dict]]) -> list[str]:
-    """In a worker process: run one tiny case per (variant, s_q, config) so that Triton
-    compiles the kernels into its on-disk cache. Returns error lines."""
+def _warm_worker(jobs: list[tuple[str, int, dict, int]]) -> list[str]:
+    """In a worker process: run one tiny case per (variant, s_q, config, heads) so that
+    Triton compiles the kernels into its on-disk cache. Returns error lines."""
     try:
         spec = ModelSpec()
         pool = kb.CachePool(spec, 2048)
@@ -200,10 +224,10 @@ def _warm_worker(jobs: list[tuple[str, int, dict]]) -> list[str]:
     except Exception as e:
         return [f"worker setup: {type(e).__name__}: {e}"[:300]]
     errors = []
-    for variant, s_q, cfg in jobs:
+    for variant, s_q, cfg, heads in jobs:
         set_variant(variant)
         try:
-            kb.run_case(spec, pool, HEADS, s_q, 1, 1024, "fp8", DecodeConfig(**cfg), gen)
+            kb.run_case(spec, pool, heads, s_q, 1, 1024, "fp8", DecodeConfig(**cfg), gen)
         except Exception as e:  # OutOfResources etc.: the timing pass reports it again
             errors.append(f"{variant} s_q={s_q} {cfg}: {type(e).__name__}: {e}"[:300])
     return errors
@@ -219,23 +243,23 @@ def finish(doc: dict, out: str | None, t_start: float) -> int:
     return 0
 
 
-def precompile_unique(items: list[tuple[str, int, DecodeConfig]], jobs: int) -> None:
+def precompile_unique(items: list[tuple[str, int, DecodeConfig]], jobs: int, heads: int = HEADS) -> None:
     """``precompile`` each distinct (variant, s_q, config) once, reporting the time taken; a
     failure only costs time (the timing pass compiles whatever is missing)."""
     uniq = {(v, s_q, cfg_key(c)): (v, s_q, c) for v, s_q, c in items}
     t0 = time.time()
     try:
-        precompile(list(uniq.values()), jobs)
+        precompile(list(uniq.values()), jobs, heads)
     except Exception as e:
         print(f"# precompile failed ({type(e).__name__}: {e}); compiling lazily", flush=True)
     print(f"# precompiled {len(uniq)} variants with {jobs} workers in {time.time() - t0:.0f} s", flush=True)
 
 
-def precompile(items: list[tuple[str, int, DecodeConfig]], jobs: int) -> None:
+def precompile(items: list[tuple[str, int, DecodeConfig]], jobs: int, heads: int = HEADS) -> None:
     import concurrent.futures as cf
     import dataclasses
     import multiprocessing as mp
-    payload = [(v, s_q, dataclasses.asdict(c)) for v, s_q, c in items]
+    payload = [(v, s_q, dataclasses.asdict(c), heads) for v, s_q, c in items]
     chunks = [payload[i::jobs] for i in range(jobs)]
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
         for errs in ex.map(_warm_worker, [c for c in chunks if c]):
@@ -259,6 +283,7 @@ def main(argv=None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--tma", action="store_true", help="TMA path vs pointer path at the default configs only")
     mode.add_argument("--f16", action="store_true", help="fp16 vs bf16 dots of the grouped path (module doc, item 4)")
+    mode.add_argument("--pmem", action="store_true", help="P through memory off / on at h=128 (module doc, item 5)")
     ap.add_argument("--dry-run", action="store_true", help="print the planned settings and exit (no GPU needed)")
     args = ap.parse_args(argv)
     sqs = [int(x) for x in args.sq.split(",")]
@@ -273,8 +298,8 @@ def main(argv=None) -> int:
     t_start = time.time()
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
-    if args.tma or args.f16:
-        return grid_main(args, t_start, sqs, batches, lens, props, sms, **MODES["tma" if args.tma else "f16"])
+    if args.tma or args.f16 or args.pmem:
+        return grid_main(args, t_start, sqs, batches, lens, props, sms, **MODES[_mode(args)])
 
     plans = {s_q: ([] if args.no_sweep else sweep_plan(s_q, sms)) for s_q in sqs}
     if args.jobs > 0:
@@ -370,11 +395,18 @@ def main(argv=None) -> int:
 #: the label whose time is the baseline, the title of the table, the variants recorded
 MODES = {
     "tma": dict(mode="tma", settings=tma_settings, baseline="ptr@default", title="TMA vs pointer loads",
-                variants=("ptr", "tma")),
+                variants=("ptr", "tma"), heads=HEADS),
     "f16": dict(mode="f16", settings=f16_settings, baseline="shipped@default",
                 title="fp16 vs bf16 dots of the grouped path", variants=("shipped", "f16-ptr", "bf16-ptr", "f16-tma",
-                                                                          "bf16-tma")),
+                                                                          "bf16-tma"), heads=HEADS),
+    "pmem": dict(mode="pmem", settings=pmem_settings, baseline="off@bn64st2",
+                 title="P through memory (h=128, dequantise path)", variants=("pmem-off", "pmem-on"),
+                 heads=PMEM_HEADS),
 }
+
+
+def _mode(args) -> str:
+    return "tma" if args.tma else "f16" if args.f16 else "pmem"
 
 
 def _speedup_key(baseline: str) -> str:
@@ -387,8 +419,8 @@ def dry_run(args, sqs, batches, lens) -> int:
     spec = ModelSpec()
     cache = torch.zeros(2, kb.PAGE, spec.fp8_bytes_per_token, dtype=torch.uint8)
     cases = [(B, L) for B in batches for L in lens]
-    if args.tma or args.f16:
-        m = MODES["tma" if args.tma else "f16"]
+    if args.tma or args.f16 or args.pmem:
+        m = MODES[_mode(args)]
         print(f"# --{m['mode']}: {m['title']}; baseline {m['baseline']}; {len(cases)} cases per s_q {cases}")
         total = 0
         for s_q in sqs:
@@ -400,8 +432,9 @@ def dry_run(args, sqs, batches, lens) -> int:
                 plan = tma_plan_record(cache, cfg, capability=(9, 0))
                 grouped = ds.fp8_grouped_dots(spec.kv_lora_rank, spec.fp8_group, cfg.block_m) and cfg.fp8_grouped
                 tma_txt = f"st{plan['tma_num_stages']}" if plan["tma"] else "no"
+                p_mem = ds.fp8_p_via_memory(True, grouped, cfg.block_m)
                 print(f"  {label:18s} {cfg_text(cfg):38s} TMA {tma_txt:4s} grouped={grouped!s:5s} "
-                      f"fp16_dots={grouped and bool(ds.FP8_FP16_DOTS)!s:5s} {VARIANTS[variant]}")
+                      f"fp16_dots={grouped and bool(ds.FP8_FP16_DOTS)!s:5s} p_mem={p_mem!s:5s} {VARIANTS[variant]}")
         print(f"# {total} measurements")
     else:
         for s_q in sqs:
@@ -413,18 +446,20 @@ def dry_run(args, sqs, batches, lens) -> int:
     return 0
 
 
-def grid_main(args, t_start, sqs, batches, lens, props, sms, *, mode, settings, baseline, title, variants) -> int:
-    """``--tma`` / ``--f16`` (module doc, items 3 and 4): every setting ``settings(s_q)`` on
-    every case of the grid, with the speedup over the ``baseline`` setting."""
+def grid_main(args, t_start, sqs, batches, lens, props, sms, *, mode, settings, baseline, title, variants,
+              heads) -> int:
+    """``--tma`` / ``--f16`` / ``--pmem`` (module doc, items 3-5): every setting
+    ``settings(s_q)`` on every case of the grid (``heads`` query heads), with the speedup over
+    the ``baseline`` setting."""
     settings = {s_q: settings(s_q) for s_q in sqs}
     if args.jobs > 0:
-        precompile_unique([(v, s_q, c) for s_q in sqs for _, v, c in settings[s_q]], args.jobs)
+        precompile_unique([(v, s_q, c) for s_q in sqs for _, v, c in settings[s_q]], args.jobs, heads)
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     copy_tbps = kb.measure_copy_tbps()
     print(f"# {props.name} ({sms} SMs, cc {props.major}.{props.minor}): copy {copy_tbps:.2f} TB/s "
-          f"(read+write); h={HEADS}, DeepSeek-V3 dims, FP8, page {kb.PAGE}", flush=True)
+          f"(read+write); h={heads}, DeepSeek-V3 dims, FP8, page {kb.PAGE}", flush=True)
     spec = ModelSpec()
     pool = kb.CachePool(spec, max(batches) * max(lens))
     cache = pool.get("fp8")
@@ -444,17 +479,20 @@ def grid_main(args, t_start, sqs, batches, lens, props, sms, *, mode, settings, 
                         continue
                     set_variant(variant)
                     plan = tma_plan_record(cache, cfg)
+                    grouped = cfg.fp8_grouped and ds.fp8_grouped_dots(spec.kv_lora_rank, spec.fp8_group, cfg.block_m)
                     fields = dict(setting=label, variant=variant, s_q=s_q, B=B, L=L, config=kb.cfg_dict(cfg),
-                                  fp8_grouped=cfg.fp8_grouped, **plan)
+                                  fp8_grouped=cfg.fp8_grouped, p_mem=ds.fp8_p_via_memory(True, grouped, cfg.block_m),
+                                  **plan)
                     try:
-                        t_ms, io, _ = kb.run_case(spec, pool, HEADS, s_q, B, L, "fp8", cfg, gen)
+                        t_ms, io, flops = kb.run_case(spec, pool, heads, s_q, B, L, "fp8", cfg, gen)
                     except Exception as e:  # e.g. OutOfResources: this config does not fit
                         err = f"{type(e).__name__}: {e}"
                         print(f"  {s_q:3d} {B:4d} {L:6d}  {label:{width}s} {cfg_text(cfg)}: {err}"[:300], flush=True)
                         results.append(dict(fields, error=err[:300]))
                         continue
                     tbps = io / (t_ms * 1e-3) / 1e12
-                    r = dict(fields, time_us=t_ms * 1e3, TBps=tbps, bw_ratio=tbps / copy_tbps)
+                    r = dict(fields, time_us=t_ms * 1e3, TBps=tbps, bw_ratio=tbps / copy_tbps,
+                             TFLOPs=flops / (t_ms * 1e-3) / 1e12)
                     if label == baseline:
                         base = r["time_us"]
                     r[speedup] = base / r["time_us"] if base else None
@@ -470,7 +508,7 @@ def grid_main(args, t_start, sqs, batches, lens, props, sms, *, mode, settings, 
         "gpu": props.name, "sms": sms, "capability": [props.major, props.minor],
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "copy_TBps_read_plus_write": copy_tbps, "heads": HEADS, "page_size": kb.PAGE, "mode": mode,
+        "copy_TBps_read_plus_write": copy_tbps, "heads": heads, "page_size": kb.PAGE, "mode": mode,
         "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
         "variants": {k: VARIANTS[k] for k in variants}, "baseline": baseline,
         "tma_module": {k: getattr(ds, k) for k in ("FP8_TMA_STAGES", "FP8_TMA_SMEM_BUDGET", "TMA_MAX_BLOCK_M")},

@@ -179,7 +179,7 @@ def candidate_configs(rows: int, sms: int, kv: str):
             bm = 16 if rows <= 16 else 32
             shapes = [(bm, 64, 8, 1, True), (bm, 64, 8, 2, False), (bm, 32, 8, 1, True)]
         else:
-            shapes = [(64, 64, 8, 2, False), (64, 32, 8, 1, True), (64, 32, 8, 2, False)]
+            shapes = [(64, 128, 8, 1, False), (64, 64, 8, 2, False), (64, 32, 8, 1, True)]
     elif rows <= 16:
         shapes = [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 8, 2)]
     elif rows <= 32:

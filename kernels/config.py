@@ -704,7 +704,8 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     = SMs``) beat two per SM in every swept case; FP8 caches take the grouped-dot path with
     fp16 dots at 16 and 32 rows (128- and 64-key tiles, twin loads; H100,
     ``h100-2026-11-26-config-sweep-pageconst.json``); 64-row blocks always dequantise
-    (``decode_split.GROUPED_MAX_BLOCK_M``); the combine splits the latent columns in 128s.
+    (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key tiles with P through memory
+    (``decode_split.fp8_p_via_memory``); the combine splits the latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -728,6 +729,7 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     grouped = _fp8_grouped_default(rows)
     # Re-swept on an H100 after the page size became a compile-time constant
     # (benchmarks/results/h100-2026-11-26-config-sweep-pageconst.json; B 8-128, L 1k-16k):
+    min_tiles = 2
     if rows <= 16:
         # FP8: grouped fp16 dots over 128-key tiles, twin loads, 2 stages: 1.10x the 64-key TMA
         # config (which needs the tile inside one page, so 128-key tiles take it only at pages
@@ -738,12 +740,18 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # former 64-key / 2-stage config (faster in 4 of its 5 cases, 1.2x at B=128, L=16k)
         block_m, block_n, warps, stages = (32, 64, 8, 2) if fp8 else (32, 128, 8, 3)
     else:
-        block_m, block_n, warps, stages = 64, 64, 8, 2
+        # FP8: 128-key tiles, one stage, P through memory (decode_split module doc): 1.05-1.14x
+        # the 64-key / 2-stage config at B 32/128 (h100-2026-11-26-fp8-pmem.json); parts of one
+        # tile: short requests spread over more SMs (B=1, L=1k: 1.28x parts of two tiles), never
+        # slower than the former config over B 1-128, L 1k-16k (h100-2026-11-26-fp8-h128-min-tiles.json);
+        # bf16 unchanged
+        block_m, block_n, warps, stages = (64, 128, 8, 1) if fp8 else (64, 64, 8, 2)
+        min_tiles = 1 if fp8 else 2
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x
     # at h=16, B=8, L=16k (16 pieces a request; h100-2026-11-26-combine-cols.json), neutral at h=128
-    return DecodeConfig(block_m=block_m, block_n=block_n, num_parts=parts, min_tiles_per_part=2,
+    return DecodeConfig(block_m=block_m, block_n=block_n, num_parts=parts, min_tiles_per_part=min_tiles,
                         num_warps=warps, num_stages=stages, combine_block_m=16,
                         combine_col_blocks=_combine_col_blocks(spec.kv_lora_rank), fp8_grouped=grouped)
 

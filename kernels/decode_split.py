@@ -173,14 +173,39 @@ uses. Same H100, one command, old and new code
 (``benchmarks/results/h100-2026-11-26-kernel-pageconst-{before,after}.json``): bf16 h=128
 1.04-1.15x, bf16 h=16 s_q=1 1.05-1.12x, bf16 h=16 s_q=2 0.97-1.07x, FP8 h=16 1.00-1.03x.
 
+P through memory (``P_MEM``, FP8 caches on the dequantise path in 64-row blocks, i.e.
+h=128; ``fp8_p_via_memory``). Triton gives a dot whose result reaches another dot all the
+warps along M (``warpsPerTileV3`` in its ``AccelerateMatmul``: any dot in the forward slice
+of the result), and 64 rows fill one warpgroup, so with 8 warps both warpgroups compute the
+same ``Q K^T`` tile (72 ``HGMMA.64x32x16`` a warp a tile: the whole S each). Here each tile's
+P (rounded to the dot dtype, as before) and alpha go through a per-program scratch slot in
+global memory (``BLOCK_M x BLOCK_N`` values + ``BLOCK_M`` fp32; an L2-resident 16 KiB at
+128-key tiles) between two CTA barriers, so nothing the PV dot reads -- P, or the alpha that
+rescales its accumulator -- derives from the QK result; the rope dot is issued first and the
+latent dot accumulates onto it, so the big dot's result feeds no dot either. Triton then lays
+the latent QK out ``[4, 2]``: each warpgroup computes half the tile's keys (TTGIR on an H100,
+Triton 3.6). The two barriers stop Triton's software pipeliner from pipelining the loop's
+loads, which costs nothing on this path (its code tiles are loaded synchronously anyway,
+"Hiding the load latency" above) and 1.3x on the bf16 path (pipelined cp.async tiles), which
+keeps the duplicated QK (``h100-2026-11-26-pmem-bf16-ab.json``). Same H100, one command
+(``benchmarks/fp8_decode_bench.py --pmem``, ``h100-2026-11-26-fp8-pmem.json``; h=128, s_q 1/2,
+B 32/128, L 1k-16k): at 128-key tiles and one stage 1.04-1.12x over the same config without
+it and 1.05-1.14x over the former 64-key / 2-stage default, which it replaced; at 64-key
+tiles it is level (0.97-1.01x). The slot is written before it is read in every tile and never
+read across launches, so the launcher allocates it afresh per launch (graph-capture safe).
+
 Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
 
-- 64-row blocks (h=128): Triton gives a dot whose result feeds another dot all the warps
-  along M (``warpsPerTileV3`` in its ``AccelerateMatmul``), and 64 rows fill one warpgroup,
-  so with 8 warps both warpgroups compute the same ``Q K^T`` tile (72 ``HGMMA.64x32x16`` a
-  warp a tile: the whole S each). The scores' tensor-core work doubles; 4 warps would hold
-  the ``[64, 512]`` fp32 accumulator in 256 registers a thread. About 38% of the measured
-  bf16 matmul rate at s_q=2.
+- 64-row bf16 blocks (h=128) keep the duplicated ``Q K^T`` (above): about 38% of the measured
+  bf16 matmul rate at s_q=2; 4 warps would hold the ``[64, 512]`` fp32 accumulator in 256
+  registers a thread, and P through memory stops the pipeliner (1.3x slower). With an
+  inline-asm barrier that the pipeliner does not see, the TTGIR had both the split QK
+  (``[4, 2]``) and the pipelined tile loads, and it ran no faster (0.99-1.01x,
+  ``h100-2026-11-26-pmem-variants.json``). Nsight Compute on the shipped kernel (h=128,
+  s_q=2, B=32, L=4k; ``benchmarks/results/ncu/h100-2026-11-26-ncu_bf16_128_2_32_4096.txt``)
+  puts a quarter of the warp stalls on ``WARPGROUP.DEPBAR`` (waiting for the wgmma results)
+  with the issue slots mostly idle: the loop is serial (QK, softmax, PV, rescale) in every
+  warpgroup, which is what FlashMLA's hand-split warpgroups overlap.
 - 16/32-row blocks of bf16 at 128-key tiles: one tile buffer (147 KiB) per program and one
   program per SM, so a program loads, then computes. Long requests still reach 88-97% of
   copy bandwidth (programs drift out of step and share the memory system); short batches
@@ -188,6 +213,10 @@ Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here)
 - Swapping the dots (``K @ q^T``, so the key tile is the wgmma M) was tried and was no
   faster (0.85-1.02x bf16, 0.2-0.87x FP8; still 255 registers a thread;
   ``benchmarks/results/h100-2026-11-26-swap-dots.json``).
+- FP8 twin loads with the V copy converted by a non-pure inline-asm ``cvt.rn.f16x2.e4m3x2``
+  in the load layout (so fp16, not bytes, goes through shared memory to the PV dot's
+  operand layout; Triton otherwise gathers the codes byte by byte in that layout): level,
+  0.97-1.03x (``h100-2026-11-26-fp8-v-asm.json``); not kept.
 
 Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
 ``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
@@ -217,7 +246,7 @@ try:  # host-side TMA descriptors (Triton >= 3.3; the same class in 3.6 and 3.9)
 except Exception:  # pragma: no cover - an older Triton: the pointer path only
     TensorDescriptor = None
 
-__all__ = ["launch_decode_split", "fp8_grouped_dots", "fp8_tma_plan", "TmaPlan"]
+__all__ = ["launch_decode_split", "fp8_grouped_dots", "fp8_p_via_memory", "fp8_tma_plan", "TmaPlan"]
 
 _LOG2E = 1.4426950408889634
 
@@ -274,6 +303,16 @@ FP8_TMA_SMEM_BUDGET = 176 * 1024
 TMA_MAX_BLOCK_M = 16
 
 
+#: P through memory (module doc): FP8 caches on the dequantise path with ``block_m >=
+#: P_MEM_MIN_BLOCK_M`` (h=128) hand P and alpha to the PV dot through a per-program scratch
+#: slot, so that the QK tile is not computed by both warpgroups. A module switch like
+#: ``FP8_GROUPED_DOTS`` (benchmarks and tests turn it off / on).
+P_VIA_MEMORY = True
+#: Smallest row block that takes it: one warpgroup's wgmma covers 64 rows, so only 64-row
+#: blocks had both warpgroups computing the same scores.
+P_MEM_MIN_BLOCK_M = 64
+
+
 #: Largest row block that takes the grouped-dot path: at 64 rows (h=128) its four
 #: ``[BLOCK_M, RANK/4]`` accumulators and operands spill, and it ran 1.8x slower than the
 #: dequantise path on an H200 (h=128, s_q=2, B=128, L=16k: 9.9 vs 5.4 ms,
@@ -290,6 +329,13 @@ def fp8_grouped_dots(rank: int, fp8_group: int, block_m: int = 16) -> bool:
     groups = rank // fp8_group
     return (bool(FP8_GROUPED_DOTS) and groups in (1, 2, 4) and rank % 4 == 0 and rank // 4 >= 16
             and block_m <= GROUPED_MAX_BLOCK_M)
+
+
+def fp8_p_via_memory(fp8: bool, grouped: bool, block_m: int) -> bool:
+    """True when the decode hands P to the PV dot through its scratch slot (module doc, "P
+    through memory"): an FP8 cache on the dequantise path in row blocks of at least
+    ``P_MEM_MIN_BLOCK_M``, with the ``P_VIA_MEMORY`` switch on."""
+    return bool(P_VIA_MEMORY) and fp8 and not grouped and block_m >= P_MEM_MIN_BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -399,13 +445,13 @@ def _fp8_tma_descriptors(kv_cache: torch.Tensor, *, rank: int, rope_dim: int, fp
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                          out_ptr, lse_ptr, po_ptr, plse_ptr, codes_desc, scales_desc, rope_desc,
-                         bt_stride, partial_cap, qk_scale, SQ, H, PAGE: tl.constexpr,
+                         pscr_ptr, ascr_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: tl.constexpr,
                          RANK: tl.constexpr, ROPE: tl.constexpr,
                          GROUP: tl.constexpr, TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                          DOT_PREC: tl.constexpr, FP8_PREFETCH: tl.constexpr, GROUPED: tl.constexpr,
                          TWIN: tl.constexpr, K_EVICT: tl.constexpr, USE_TMA: tl.constexpr,
-                         F16_DOTS: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+                         F16_DOTS: tl.constexpr, SKIP_EMPTY: tl.constexpr, P_MEM: tl.constexpr):
     pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)
     ROWS = SQ * H
@@ -452,6 +498,11 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
     offs_q = tl.arange(0, QW)
     ok_col = row_ok[:, None]
     m_rows = offs_m[:, None] * RANK
+    if P_MEM:  # P through memory (module doc): this program's slot of the scratch buffers
+        offs_ml = tl.arange(0, BLOCK_M)
+        slot = tl.cast(pid_p * tl.num_programs(1) + pid_m, tl.int64)
+        pscr_tile = pscr_ptr + slot * (BLOCK_M * BLOCK_N) + offs_ml[:, None] * BLOCK_N + offs_nb[None, :]
+        ascr_rows = ascr_ptr + slot * BLOCK_M + offs_ml
 
     for b in range(b_first, b_last + 1):
         b64 = tl.cast(b, tl.int64)
@@ -694,7 +745,11 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                             sc = tl.load(scale_row[:, None] + offs_g[None, :], mask=kv_ok[:, None], other=0.0)
                         k_lat = tl.reshape(tl.reshape(vals, (BLOCK_N, NG, GROUP)) * sc[:, :, None], (BLOCK_N, RANK))
                         k_lat = k_lat.to(q_lat.dtype)
-                        s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
+                        if P_MEM:  # rope dot first: the latent dot's result then feeds no dot
+                            s = tl.dot(q_rope, tl.trans(k_rope.to(q_rope.dtype)), input_precision=DOT_PREC)
+                            s = tl.dot(q_lat, tl.trans(k_lat), s, input_precision=DOT_PREC)
+                        else:
+                            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
                 else:
                     # -- key positions -> cache slots (the sparse-decode hook: read slots from
                     #    `indices` here instead of the block table; the rest is slot-agnostic)
@@ -711,8 +766,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                     k_rope = tl.load(kv_row[:, None] + RANK + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
                     k_lat = k_lat.to(q_lat.dtype)
                     s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
-                k_rope = k_rope.to(q_rope.dtype)
-                s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
+                if not P_MEM:
+                    k_rope = k_rope.to(q_rope.dtype)
+                    s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
                 s = s * qk_scale
                 visible = (offs_n[None, :] < ctx[:, None]) & kv_ok[None, :]
                 # tl.where, not an additive bias: a NaN score (poisoned padding q) must vanish too
@@ -746,8 +802,22 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                     pv = tl.dot(pw.to(v3.dtype), v3, input_precision=DOT_PREC)
                     acc3 = acc3 * alpha[:, None] + pv
                 else:
-                    pv = tl.dot(p.to(k_lat.dtype), k_lat, input_precision=DOT_PREC)
-                    acc = acc * alpha[:, None] + pv
+                    if P_MEM:
+                        # P and alpha through this program's scratch slot (module doc, "P through
+                        # memory"): nothing the PV dot reads derives from the QK dot's result, so
+                        # Triton splits the QK tile's keys over the two warpgroups instead of
+                        # computing it twice
+                        tl.store(pscr_tile, p.to(k_lat.dtype))
+                        tl.store(ascr_rows, alpha)
+                        tl.debug_barrier()
+                        p_op = tl.load(pscr_tile)
+                        alpha_op = tl.load(ascr_rows)
+                        tl.debug_barrier()  # every warp has read the slot before the next tile's store
+                    else:
+                        p_op = p.to(k_lat.dtype)
+                        alpha_op = alpha
+                    pv = tl.dot(p_op, k_lat, input_precision=DOT_PREC)
+                    acc = acc * alpha_op[:, None] + pv
                 m_i = m_new
 
             has_keys = l_i > 0.0
@@ -826,13 +896,24 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     twin = grouped and not prefetch and not use_tma and num_stages >= 2 and block_m <= 32 and bool(FP8_TWIN_LOADS)
     page = kv_cache.shape[1]
     grid = (num_parts, m_blocks)
+    p_mem = fp8_p_via_memory(fp8, grouped, block_m)
+    if p_mem:
+        # one slot per program, never read across launches (written before read in every
+        # tile), so a fresh buffer per launch is safe under graph capture too; P in the dot
+        # operand dtype (fp32 with dot_f32)
+        p_dtype = torch.float32 if dot_f32 else q.dtype
+        pscr = torch.empty(num_parts * m_blocks * block_m * block_n, dtype=p_dtype, device=q.device)
+        ascr = torch.empty(num_parts * m_blocks * block_m, dtype=torch.float32, device=q.device)
+    else:
+        pscr = ascr = lse  # placeholders: never read
     _decode_split_kernel[grid](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
-        out, lse, partial_o, partial_lse, *descs,
+        out, lse, partial_o, partial_lse, *descs, pscr, ascr,
         block_table.shape[1], partial_o.shape[0], float(softmax_scale) * _LOG2E, s_q, h, PAGE=page,
         RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
         FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32,
         # None: Triton's default precision (only fp32 operands care, and those come with DOT_F32)
         DOT_PREC="ieee" if dot_f32 else None,
         FP8_PREFETCH=prefetch, GROUPED=grouped, TWIN=twin, K_EVICT="evict_last" if twin else "",
-        USE_TMA=use_tma, F16_DOTS=f16_dots, SKIP_EMPTY=bool(SKIP_EMPTY_ON_INTERPRETER) and interpreting(), num_warps=num_warps, num_stages=num_stages)
+        USE_TMA=use_tma, F16_DOTS=f16_dots, SKIP_EMPTY=bool(SKIP_EMPTY_ON_INTERPRETER) and interpreting(),
+        P_MEM=p_mem, num_warps=num_warps, num_stages=num_stages)

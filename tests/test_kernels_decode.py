@@ -252,6 +252,28 @@ def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, tma, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("on", [True, False], ids=["pmem", "no-pmem"])
+@pytest.mark.parametrize("s_q,bn,stages", [(2, 128, 1), (1, 128, 1), (2, 64, 2), (1, 32, 1)])
+def test_decode_fp8_p_via_memory_gpu(s_q, bn, stages, on, monkeypatch):
+    """P through memory at DeepSeek size, h=128 (64-row blocks; the shipped default is 128-key
+    tiles at 1 stage): every program of the persistent grid writes and reads its own scratch
+    slot between CTA barriers, concurrently; a long request split over many parts, short
+    ones, empty ones, NaN past every length."""
+    import kernels.decode_split as ds
+    monkeypatch.setattr(ds, "P_VIA_MEMORY", on)
+    seen = _spy_launches(monkeypatch, ds, keys=("P_MEM", "GROUPED", "num_stages"))
+    spec = ModelSpec(num_heads=128)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=bn, num_stages=stages)
+    case = make_case(spec, seq_lens=[9000, 1, 0, 128, 129, 2000, 64], q_lens=[s_q, 1, 0, 1, s_q, s_q, 1], s_q=s_q,
+                     page_size=64, kv_dtype="fp8", seed=17, device="cuda")
+    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=f"{cfg} P_VIA_MEMORY={on}")
+    assert seen == [(on, False, stages)]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dequant"])
 @pytest.mark.parametrize("s_q,stages", [(1, 2), (1, 4), (2, 3), (2, 4)])
 def test_decode_fp8_tma_stages_gpu(s_q, stages, grouped, monkeypatch):
@@ -289,6 +311,62 @@ def test_fp8_grouped_path_only_for_small_row_blocks():
                                   q_lens=case.q_lens, config=cfg)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what="fp8 block_m 64")
+
+
+# (page_size, block_n, num_parts, fp8_prefetch, seq_lens, q_lens): lengths 0 and 1, page and tile
+# boundaries +-1, requests cut over parts and parts holding several requests, NaN past every
+# request's length (make_case + e4m3_nan)
+_PMEM_CASES = {
+    "p16-bn16-5parts": (16, 16, 5, False, [37, 0, 16, 1, 17, 15, 70], [3, 0, 2, 1, 3, 2, 1]),
+    "p16-bn32-3parts-prefetch": (16, 32, 3, True, [33, 31, 64, 2, 0], [3, 1, 2, 2, 0]),
+    "p64-bn16-1part": (64, 16, 1, False, [63, 65, 1, 32, 97], [1, 3, 1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("name", list(_PMEM_CASES))
+def test_decode_fp8_p_via_memory_interpreter(name, monkeypatch, e4m3_nan):
+    """P through memory (FP8 dequantise path in 64-row blocks; module doc of
+    kernels.decode_split): P and alpha reach the PV dot through the program's scratch slot,
+    the rope dot comes first. Against the reference for bf16 and fp32 q, with the launch
+    checked to have taken the path (48 query rows: 16 of the block's rows are padding)."""
+    import kernels.decode_split as ds
+    page, bn, parts, pf, seq, ql = _PMEM_CASES[name]
+    monkeypatch.setattr(ds, "P_VIA_MEMORY", True)
+    seen = _spy_launches(monkeypatch, ds, keys=("P_MEM", "GROUPED"))
+    spec = ModelSpec.tiny(num_heads=16)
+    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=3, page_size=page, kv_dtype="fp8", seed=len(name))
+    _zero_scales(case, spec, 0, 5, 21 if seq[0] >= 21 else seq[0])  # all-zero groups inside a request
+    cfg = DecodeConfig(block_m=64, block_n=bn, num_parts=parts, min_tiles_per_part=1, num_stages=1, fp8_prefetch=pf)
+    _check_bf16_and_fp32_q(case, spec, cfg, name)
+    assert seen == [(True, False)] * 2
+
+
+def test_fp8_p_via_memory_choice(monkeypatch):
+    """Which launches hand P through memory: FP8 caches on the dequantise path in row blocks
+    of at least P_MEM_MIN_BLOCK_M (the CUDA default for h=128 FP8), with the switch on; the
+    switch off gives the former kernel, which matches the reference too."""
+    import kernels.decode_split as ds
+    monkeypatch.setattr(ds, "P_VIA_MEMORY", True)
+    assert ds.fp8_p_via_memory(True, False, 64) and ds.fp8_p_via_memory(True, False, 128)
+    assert not ds.fp8_p_via_memory(True, True, 64)   # grouped path
+    assert not ds.fp8_p_via_memory(False, False, 64)  # 16-bit cache: barriers would stop the pipeliner
+    assert not ds.fp8_p_via_memory(True, False, 32)
+    cuda = torch.device("cuda")
+    h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
+    assert (h128.block_m, h128.block_n, h128.num_stages, h128.min_tiles_per_part) == (64, 128, 1, 1)
+    assert not h128.fp8_grouped
+    seen = _spy_launches(monkeypatch, ds, keys=("P_MEM",))
+    spec = ModelSpec.tiny(num_heads=16)
+    case = make_case(spec, seq_lens=[50, 3], q_lens=[4, 2], s_q=4, page_size=16, kv_dtype="fp8", seed=5)
+    cfg = DecodeConfig(block_m=64, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)
+    for on in (False, True):
+        monkeypatch.setattr(ds, "P_VIA_MEMORY", on)
+        out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                      q_lens=case.q_lens, config=cfg)
+        ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                 q_lens=case.q_lens)
+        assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what=f"P_VIA_MEMORY={on}")
+    assert seen == [(False,), (True,)]
 
 
 def test_fp8_path_choice_follows_config(monkeypatch):
@@ -361,15 +439,15 @@ def e4m3_nan(monkeypatch):
     monkeypatch.setattr(cls, "create_fp_to_fp", fp_to_fp)
 
 
-def _spy_launches(monkeypatch, ds):
-    """Record ``(USE_TMA, GROUPED, num_stages)`` of every decode_split launch."""
+def _spy_launches(monkeypatch, ds, keys=("USE_TMA", "GROUPED", "num_stages")):
+    """Record the ``keys`` launch arguments (a tuple per launch) of every decode_split launch."""
     seen = []
     real = ds._decode_split_kernel
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((kw["USE_TMA"], kw["GROUPED"], kw["num_stages"]))
+                seen.append(tuple(kw[k] for k in keys))
                 return real[grid](*args, **kw)
             return launch
 
@@ -691,22 +769,47 @@ def test_decode_fp8_fp16_dots_switch(monkeypatch):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), q_dtype
 
 
-def test_fp8_bench_f16_plan(monkeypatch, capsys):
-    """``benchmarks/fp8_decode_bench.py --f16 --dry-run`` runs without a GPU and plans, per s_q,
-    the shipped baseline and fp16 / bf16 pairs of the grouped path: pointer loads at
-    num_stages 1 (+prefetch), 2 and 3, and TMA at 2 and 3 where it applies (16-row blocks)."""
+def _load_fp8_bench(monkeypatch):
+    """``benchmarks/fp8_decode_bench.py`` as a module (its dry runs set the switches of
+    kernels.decode_split per variant: restored after the test)."""
     import importlib.util
     import os
     import sys
 
     import kernels.decode_split as ds
-    for name in ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS"):
-        monkeypatch.setattr(ds, name, getattr(ds, name))  # the dry run sets them per variant
+    for name in ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS", "P_VIA_MEMORY"):
+        monkeypatch.setattr(ds, name, getattr(ds, name))
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "fp8_decode_bench.py")
     spec = importlib.util.spec_from_file_location("_fp8_decode_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_fp8_bench_pmem_plan(monkeypatch, capsys):
+    """``fp8_decode_bench.py --pmem --dry-run`` runs without a GPU and plans, per s_q at h=128,
+    P through memory off (the baseline) / on at the former 64-key / 2-stage config and at the
+    shipped default; only the switch differs within a pair, and the path is taken when on."""
+    bench = _load_fp8_bench(monkeypatch)
+    assert bench.main(["--pmem", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "# 48 measurements" in out and out.count("p_mem=True") == 4 and out.count("p_mem=False") == 4
+    for s_q in (1, 2):
+        settings = bench.pmem_settings(s_q)
+        assert [lab for lab, _, _ in settings] == ["off@bn64st2", "on@bn64st2", "off@default", "on@default"]
+        assert settings[2][2] == settings[3][2] == bench.shipped_config(s_q, 128)
+        old = settings[0][2]
+        assert (old.block_m, old.block_n, old.num_stages, old.min_tiles_per_part) == (64, 64, 2, 2)
+    assert bench.VARIANTS["pmem-off"] == dict(bench.VARIANTS["pmem-on"], P_VIA_MEMORY=False)
+    assert bench.VARIANTS["pmem-on"]["P_VIA_MEMORY"]
+
+
+def test_fp8_bench_f16_plan(monkeypatch, capsys):
+    """``benchmarks/fp8_decode_bench.py --f16 --dry-run`` runs without a GPU and plans, per s_q,
+    the shipped baseline and fp16 / bf16 pairs of the grouped path: pointer loads at
+    num_stages 1 (+prefetch), 2 and 3, and TMA at 2 and 3 where it applies (16-row blocks)."""
+    bench = _load_fp8_bench(monkeypatch)
     assert bench.main(["--f16", "--dry-run"]) == 0
     assert "# 108 measurements" in capsys.readouterr().out
     for s_q, tma in ((1, True), (2, False)):
