@@ -203,8 +203,8 @@ Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here)
   (``[4, 2]``) and the pipelined tile loads, and it ran no faster (0.99-1.01x,
   ``h100-2026-11-26-pmem-variants.json``). Nsight Compute on the shipped kernel (h=128,
   s_q=2, B=32, L=4k; ``benchmarks/results/ncu/h100-2026-11-26-ncu_bf16_128_2_32_4096.txt``)
-  puts a quarter of the warp stalls on ``WARPGROUP.DEPBAR`` (waiting for the wgmma results)
-  with the issue slots mostly idle: the loop is serial (QK, softmax, PV, rescale) in every
+  puts a quarter of the warp stall samples on ``WARPGROUP.DEPBAR`` (waiting for the wgmma
+  results) and a tenth on the wgmma issue itself: the loop is serial (QK, softmax, PV, rescale) in every
   warpgroup, which is what FlashMLA's hand-split warpgroups overlap.
 - 16/32-row blocks of bf16 at 128-key tiles: one tile buffer (147 KiB) per program and one
   program per SM, so a program loads, then computes. Long requests still reach 88-97% of
