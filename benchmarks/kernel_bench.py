@@ -1,7 +1,8 @@
 """Triton MLA decode vs the machine's own rooflines (GPU only).
 
 Measures, in the same run, the device-to-device copy bandwidth (bytes read + written) and
-the bf16 matmul rate (8192^3, random data), then times ``TritonMLABackend.forward``
+the bf16 matmul rate (8192^3, random data) -- each the best of ``RATE_TRIALS`` medians, all
+trials recorded (``rate_trials``) -- then times ``TritonMLABackend.forward``
 (planner + split-KV decode + combine) captured in a CUDA graph, for
 
     h_q in {16, 128} x s_q in {1, 2} x B in {1, 8, 32, 128} x L in {1k, 4k, 16k} x {bf16, fp8}
@@ -45,20 +46,51 @@ PAGE = 64
 BYTES_PER_TOKEN = {"bf16": 2 * 576, "fp8": 656}
 
 
-def measure_copy_tbps() -> float:
+#: each ceiling is measured this many times (medians of do_bench) and the best is used: on one
+#: H100 two back-to-back runs measured the bf16 matmul at 693 and 752 TFLOP/s, and a low
+#: ceiling flatters every ratio to it; the trials are recorded in the json
+RATE_TRIALS = 5
+#: the measured rates of this process, per ceiling: every trial (filled by the measure_* calls)
+RATE_LOG: dict = {}
+
+
+def _best_of(name: str, trial, trials: int) -> float:
+    """Run ``trial()`` (one rate) ``trials`` times; log them under ``name``; return the max."""
+    rates = [trial() for _ in range(max(1, trials))]
+    RATE_LOG[name] = rates
+    return max(rates)
+
+
+def measure_copy_tbps(trials: int = RATE_TRIALS) -> float:
+    """Device-to-device copy bandwidth, bytes read + written, TB/s: best of ``trials``
+    medians of a 1 GiB ``copy_``."""
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * n / (t * 1e-3) / 1e12
+
+    def trial():
+        t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+        return 2 * n / (t * 1e-3) / 1e12
+
+    return _best_of("copy_TBps", trial, trials)
 
 
-def measure_matmul_tflops() -> float:
+def measure_matmul_tflops(trials: int = RATE_TRIALS) -> float:
+    """bf16 matmul rate, TFLOP/s: best of ``trials`` medians of an 8192^3 ``a @ b`` (random
+    data), after a second of matmuls to bring the clocks up."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=300, return_mode="median")
-    return 2 * n ** 3 / (t * 1e-3) / 1e12
+    t_end = time.time() + 1.0
+    while time.time() < t_end:
+        a @ b
+    torch.cuda.synchronize()
+
+    def trial():
+        t = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=300, return_mode="median")
+        return 2 * n ** 3 / (t * 1e-3) / 1e12
+
+    return _best_of("matmul_bf16_TFLOPs", trial, trials)
 
 
 class CachePool:
@@ -307,7 +339,7 @@ def main(argv=None) -> int:
     doc = {
         "gpu": props.name, "sms": sms, "date": datetime.date.today().isoformat(),
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "copy_TBps_read_plus_write": copy_tbps, "matmul_bf16_TFLOPs": mm_tflops,
+        "copy_TBps_read_plus_write": copy_tbps, "matmul_bf16_TFLOPs": mm_tflops, "rate_trials": dict(RATE_LOG),
         "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
         "summary": summary, "results": results, "sweep": sweep_rows,
         "chosen": {f"{k[0]}/h{k[1]}/sq{k[2]}": cfg_dict(v) for k, v in chosen.items()},
@@ -350,7 +382,7 @@ def sparse_main(args, t_start, gen, props, copy_tbps, mm_tflops) -> int:
     print("# summary " + json.dumps(summary), flush=True)
     doc = {"gpu": props.name, "sms": props.multi_processor_count, "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-           "copy_TBps_read_plus_write": copy_tbps, "matmul_bf16_TFLOPs": mm_tflops,
+           "copy_TBps_read_plus_write": copy_tbps, "matmul_bf16_TFLOPs": mm_tflops, "rate_trials": dict(RATE_LOG),
            "timing": "CUDA-graph replay of TritonMLABackend.forward (sparse top-k), do_bench median (L2 flushed)",
            "summary": summary, "results": results, "wall_s": time.time() - t_start}
     if args.out:
