@@ -47,8 +47,9 @@ BYTES_PER_TOKEN = {"bf16": 2 * 576, "fp8": 656}
 
 
 #: each ceiling is measured this many times (medians of do_bench) and the best is used: on one
-#: H100 two back-to-back runs measured the bf16 matmul at 693 and 752 TFLOP/s, and a low
-#: ceiling flatters every ratio to it; the trials are recorded in the json
+#: H100 two back-to-back runs measured the bf16 matmul at 693 and 752 TFLOP/s
+#: (results/h100-2026-11-26-kernel-5-single-trial*.json), and a low ceiling flatters every
+#: ratio to it; the trials are recorded in the json
 RATE_TRIALS = 5
 #: the measured rates of this process, per ceiling: every trial (filled by the measure_* calls)
 RATE_LOG: dict = {}
