@@ -216,7 +216,13 @@ Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here)
 - FP8 twin loads with the V copy converted by a non-pure inline-asm ``cvt.rn.f16x2.e4m3x2``
   in the load layout (so fp16, not bytes, goes through shared memory to the PV dot's
   operand layout; Triton otherwise gathers the codes byte by byte in that layout): level,
-  0.97-1.03x (``h100-2026-11-26-fp8-v-asm.json``); not kept.
+  0.97-1.03x (``h100-2026-11-26-fp8-v-asm.json``); not kept. Converting every code tile so
+  (K too) made the 64-key TMA config at 16 rows 1.07-1.15x faster, but only level with the
+  shipped 128-key config (0.96-1.02x), and the fp16 tiles in shared memory no longer fit
+  128-key tiles or 32-row twin loads (``h100-2026-11-26-fp8-k-asm.json``).
+- Triton's automatic warp specialization (``tl.range(..., warp_specialize=True)`` on the
+  tile loop, Triton 3.6 on sm_90): the loop kept its attribute but was not partitioned;
+  same kernel, same times (``h100-2026-11-26-warp-specialize.json``).
 
 Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
 ``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
