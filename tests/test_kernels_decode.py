@@ -261,7 +261,7 @@ def test_decode_fp8_p_via_memory_gpu(s_q, bn, stages, on, monkeypatch):
     ones, empty ones, NaN past every length."""
     import kernels.decode_split as ds
     monkeypatch.setattr(ds, "P_VIA_MEMORY", on)
-    seen = _spy_launches(monkeypatch, ds, keys=("P_MEM", "GROUPED", "num_stages"))
+    seen = _spy_kwargs(monkeypatch, ds, "P_MEM", "GROUPED", "num_stages")
     spec = ModelSpec(num_heads=128)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=bn, num_stages=stages)
     case = make_case(spec, seq_lens=[9000, 1, 0, 128, 129, 2000, 64], q_lens=[s_q, 1, 0, 1, s_q, s_q, 1], s_q=s_q,
@@ -332,7 +332,7 @@ def test_decode_fp8_p_via_memory_interpreter(name, monkeypatch, e4m3_nan):
     import kernels.decode_split as ds
     page, bn, parts, pf, seq, ql = _PMEM_CASES[name]
     monkeypatch.setattr(ds, "P_VIA_MEMORY", True)
-    seen = _spy_launches(monkeypatch, ds, keys=("P_MEM", "GROUPED"))
+    seen = _spy_kwargs(monkeypatch, ds, "P_MEM", "GROUPED")
     spec = ModelSpec.tiny(num_heads=16)
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=3, page_size=page, kv_dtype="fp8", seed=len(name))
     _zero_scales(case, spec, 0, 5, 21 if seq[0] >= 21 else seq[0])  # all-zero groups inside a request
@@ -355,7 +355,7 @@ def test_fp8_p_via_memory_choice(monkeypatch):
     h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
     assert (h128.block_m, h128.block_n, h128.num_stages, h128.min_tiles_per_part) == (64, 128, 1, 1)
     assert not h128.fp8_grouped
-    seen = _spy_launches(monkeypatch, ds, keys=("P_MEM",))
+    seen = _spy_kwargs(monkeypatch, ds, "P_MEM")
     spec = ModelSpec.tiny(num_heads=16)
     case = make_case(spec, seq_lens=[50, 3], q_lens=[4, 2], s_q=4, page_size=16, kv_dtype="fp8", seed=5)
     cfg = DecodeConfig(block_m=64, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)
@@ -439,20 +439,9 @@ def e4m3_nan(monkeypatch):
     monkeypatch.setattr(cls, "create_fp_to_fp", fp_to_fp)
 
 
-def _spy_launches(monkeypatch, ds, keys=("USE_TMA", "GROUPED", "num_stages")):
-    """Record the ``keys`` launch arguments (a tuple per launch) of every decode_split launch."""
-    seen = []
-    real = ds._decode_split_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(tuple(kw[k] for k in keys))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(ds, "_decode_split_kernel", Spy())
-    return seen
+def _spy_launches(monkeypatch, ds):
+    """Record ``(USE_TMA, GROUPED, num_stages)`` of every decode_split launch."""
+    return _spy_kwargs(monkeypatch, ds, "USE_TMA", "GROUPED", "num_stages")
 
 
 def test_interpreter_e4m3_nan_fixture(e4m3_nan):
