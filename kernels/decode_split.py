@@ -882,6 +882,9 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     Where ``fp8_tma_plan`` allows it, FP8 tiles come through TMA descriptors made here from
     ``kv_cache`` (module doc, "TMA path"); ``fp8_prefetch`` and twin loads are then off and
     the kernel is compiled with the plan's ``num_stages``.
+    Where ``fp8_p_via_memory`` holds (FP8, dequantise path, ``block_m >= 64``), the launcher
+    allocates the kernel's scratch slots (``[programs, block_m, block_n]`` in the dot dtype for
+    P, ``[programs, block_m]`` fp32 for alpha; module doc, "P through memory").
     """
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
