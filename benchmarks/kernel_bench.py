@@ -211,6 +211,8 @@ def candidate_configs(rows: int, sms: int, kv: str):
         if rows <= 32:
             bm = 16 if rows <= 16 else 32
             shapes = [(bm, 64, 8, 1, True), (bm, 64, 8, 2, False), (bm, 32, 8, 1, True)]
+            if rows > 16:  # the 64-row block, padding rows masked (the default there)
+                shapes.append((64, 128, 8, 1, False))
         else:
             shapes = [(64, 128, 8, 1, False), (64, 64, 8, 2, False), (64, 32, 8, 1, True)]
     elif rows <= 16:

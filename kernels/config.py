@@ -677,15 +677,16 @@ def _fp8_grouped_default(rows: int, device_type: str = "cuda") -> bool:
     """Whether the default config of ``rows`` query rows per request (``s_q * heads``)
     takes the FP8 grouped-dot path.
 
-    CUDA: up to 32 rows. With fp16 dots (``decode_split.FP8_FP16_DOTS``) it beat the
+    CUDA: up to 16 rows. With fp16 dots (``decode_split.FP8_FP16_DOTS``) it beat the
     dequantise path at 16 rows too (H100, h=16: 1.05-1.07x with TMA loads, B 32/128, L 1k-16k,
-    ``benchmarks/results/h100-2026-11-26-fp8-f16.json``); 64-row blocks always dequantise
+    ``benchmarks/results/h100-2026-11-26-fp8-f16.json``); above 16 rows the default is the
+    64-row block (``default_config``), and 64-row blocks always dequantise
     (``decode_split.GROUPED_MAX_BLOCK_M``). CPU (the interpreter): 17-32 rows, so the fuzzer's
     CPU runs cover both FP8 paths (the tiny spec's 8-16 heads at s_q 1-4 span 8-64 rows),
     the dequantise one, with one dot per tile instead of four, where it is also the cheaper
     to interpret."""
     if device_type == "cuda":
-        return rows <= 32
+        return rows <= 16
     return 16 < rows <= 32
 
 
@@ -702,10 +703,12 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     tokens) — 16/32 rows for the memory-bound small-head case, 64 rows to feed the tensor
     cores when there are many heads; one persistent program per SM (``num_parts * m_blocks
     = SMs``) beat two per SM in every swept case; FP8 caches take the grouped-dot path with
-    fp16 dots at 16 and 32 rows (128- and 64-key tiles, twin loads; H100,
-    ``h100-2026-11-26-config-sweep-pageconst.json``); 64-row blocks always dequantise
-    (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key tiles with P through memory
-    (``decode_split.fp8_p_via_memory``); the combine splits the latent columns in 128s.
+    fp16 dots at up to 16 rows (128-key tiles, twin loads; H100,
+    ``h100-2026-11-26-config-sweep-pageconst.json``) and the 64-row block above that, 17-32
+    rows included (its padding rows masked; ``h100-2026-11-26-fp8-m64-h16.json``); 64-row
+    blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key
+    tiles with P through memory (``decode_split.fp8_p_via_memory``); the combine splits the
+    latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -735,11 +738,15 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # config (which needs the tile inside one page, so 128-key tiles take it only at pages
         # of 128+); bf16: unchanged, still the best of 7
         block_m, block_n, warps, stages = (16, 128, 8, 2)
-    elif rows <= 32:
-        # FP8: 2 stages, 1.03-1.04x the former 3; bf16: 128-key tiles at 3 stages, 1.04x the
-        # former 64-key / 2-stage config (faster in 4 of its 5 cases, 1.2x at B=128, L=16k)
-        block_m, block_n, warps, stages = (32, 64, 8, 2) if fp8 else (32, 128, 8, 3)
+    elif rows <= 32 and not fp8:
+        # bf16: 128-key tiles at 3 stages, 1.04x the former 64-key / 2-stage config (faster in
+        # 4 of its 5 cases, 1.2x at B=128, L=16k)
+        block_m, block_n, warps, stages = (32, 128, 8, 3)
     else:
+        # FP8 at 17-32 rows (h=16, s_q=2) takes the 64-row block too, its padding rows masked:
+        # the wgmma kernel with P through memory against the 32-row grouped mma.sync one (64-key
+        # tiles, 2 stages): 0.99-1.28x over B 1-128, L 1k-16k, 1.12-1.28x at B >= 8, L=16k.
+        # Not at 16 rows: 0.94x at B=128, L=16k (h100-2026-11-26-fp8-m64-h16.json).
         # FP8: 128-key tiles, one stage, P through memory (decode_split module doc): 1.05-1.14x
         # the 64-key / 2-stage config at B 32/128 (h100-2026-11-26-fp8-pmem.json); parts of one
         # tile: short requests spread over more SMs (B=1, L=1k: 1.28x parts of two tiles), never

@@ -253,17 +253,20 @@ def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, tma, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("on", [True, False], ids=["pmem", "no-pmem"])
-@pytest.mark.parametrize("s_q,bn,stages", [(2, 128, 1), (1, 128, 1), (2, 64, 2), (1, 32, 1)])
-def test_decode_fp8_p_via_memory_gpu(s_q, bn, stages, on, monkeypatch):
-    """P through memory at DeepSeek size, h=128 (64-row blocks; the shipped default is 128-key
-    tiles at 1 stage): every program of the persistent grid writes and reads its own scratch
-    slot between CTA barriers, concurrently; a long request split over many parts, short
-    ones, empty ones, NaN past every length."""
+@pytest.mark.parametrize("heads,s_q,bn,stages", [(128, 2, 128, 1), (128, 1, 128, 1), (128, 2, 64, 2), (128, 1, 32, 1),
+                                                 (16, 2, 128, 1), (20, 1, 128, 1)])
+def test_decode_fp8_p_via_memory_gpu(heads, s_q, bn, stages, on, monkeypatch):
+    """P through memory at DeepSeek size in 64-row blocks (the shipped default is 128-key
+    tiles at 1 stage): h=128, and the FP8 defaults of 17-32 rows (h=16 at s_q=2, h=20),
+    whose 64-row block is half or more padding; every program of the persistent grid writes
+    and reads its own scratch slot between CTA barriers, concurrently; a long request split
+    over many parts, short ones, empty ones, NaN past every length."""
     import kernels.decode_split as ds
     monkeypatch.setattr(ds, "P_VIA_MEMORY", on)
     seen = _spy_kwargs(monkeypatch, ds, "P_MEM", "GROUPED", "num_stages")
-    spec = ModelSpec(num_heads=128)
+    spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=bn, num_stages=stages)
+    assert cfg.block_m == 64
     case = make_case(spec, seq_lens=[9000, 1, 0, 128, 129, 2000, 64], q_lens=[s_q, 1, 0, 1, s_q, s_q, 1], s_q=s_q,
                      page_size=64, kv_dtype="fp8", seed=17, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
@@ -286,8 +289,10 @@ def test_decode_fp8_tma_stages_gpu(s_q, stages, grouped, monkeypatch):
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
     seen = _spy_launches(monkeypatch, ds)
     spec = ModelSpec(num_heads=16)
-    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=64, num_stages=stages,
-                                                                          fp8_grouped=grouped)
+    # 16 * s_q rows: the 16/32-row blocks whose TMA and grouped paths this tests (FP8 at 32 rows
+    # defaults to the 64-row block now, which takes neither)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=16 * s_q, block_n=64,
+                                                                          num_stages=stages, fp8_grouped=grouped)
     case = make_case(spec, seq_lens=[2100, 1, 0, 64, 127, 700], q_lens=[s_q, 1, 0, 1, s_q, s_q], s_q=s_q,
                      page_size=64, kv_dtype="fp8", seed=13, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
@@ -371,13 +376,17 @@ def test_fp8_p_via_memory_choice(monkeypatch):
 
 def test_fp8_path_choice_follows_config(monkeypatch):
     """``DecodeConfig.fp8_grouped`` picks the FP8 path per shape: the CUDA defaults take the
-    grouped path at 16 and 32 rows (h=16, s_q 1/2) and dequantise at 64 (h=128); on CPU the
+    grouped path at 16 rows (h=16, s_q=1) and dequantise in the 64-row block above (h=16 at
+    s_q=2, whose 32 rows take the 64-row block, and h=128); on CPU the
     fuzzer's small row counts dequantise up to 16 rows, so both paths get fuzzed. A config
     with ``fp8_grouped=False`` still matches the reference (the launcher honours it)."""
     import kernels.decode_split as ds
     cuda = torch.device("cuda")
     assert default_config(ModelSpec(num_heads=16), 1, cuda, fp8=True).fp8_grouped
-    assert default_config(ModelSpec(num_heads=16), 2, cuda, fp8=True).fp8_grouped
+    h16_sq2 = default_config(ModelSpec(num_heads=16), 2, cuda, fp8=True)
+    assert not h16_sq2.fp8_grouped and (h16_sq2.block_m, h16_sq2.block_n, h16_sq2.num_stages) == (64, 128, 1)
+    assert ds.fp8_p_via_memory(True, h16_sq2.fp8_grouped, h16_sq2.block_m)  # P through memory
+    assert default_config(ModelSpec(num_heads=16), 2, cuda).block_m == 32  # bf16 keeps its 32-row block
     assert not default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True).fp8_grouped
     tiny = ModelSpec.tiny(num_heads=8)
     assert not default_config(tiny, 2, torch.device("cpu"), fp8=True).fp8_grouped
@@ -527,7 +536,8 @@ def test_fp8_tma_plan_host_decision(monkeypatch):
         return ds.fp8_tma_plan(kv, block_m=cfg.block_m, block_n=cfg.block_n, num_stages=cfg.num_stages,
                                capability=cap, **dims)
 
-    assert not plan(default_config(spec, 2, cuda, fp8=True)).use  # 32 rows: measured slower
+    assert not plan(default_config(spec, 2, cuda, fp8=True)).use  # 32 rows: the 64-row block, no TMA
+    assert not plan(default_config(spec, 1, cuda, fp8=True).with_(block_m=32, block_n=64)).use  # measured slower
     # the 16-row default takes 128-key tiles (measured faster): no TMA at page 64, TMA at 128
     assert default_config(spec, 1, cuda, fp8=True).block_n == 128
     assert not plan(default_config(spec, 1, cuda, fp8=True)).use
@@ -711,8 +721,10 @@ def test_decode_fp8_fp16_dots_gpu(s_q, stages, prefetch, tma, f16, monkeypatch):
     seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS", "USE_TMA")
     spec = ModelSpec(num_heads=16)
     # 64-key tiles: the shape every load variant (TMA at page 64, register prefetch) applies to
-    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=64, num_stages=stages,
-                                                                          fp8_prefetch=prefetch, fp8_grouped=True)
+    # (16 * s_q rows: the grouped path's blocks; FP8 at 32 rows defaults to the 64-row block)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=16 * s_q, block_n=64,
+                                                                          num_stages=stages, fp8_prefetch=prefetch,
+                                                                          fp8_grouped=True)
     case, big = _f16_dots_case(spec, seq_lens=[2100, 1, 0, 64, 127, 700], q_lens=[s_q, 1, 0, 1, s_q, s_q], s_q=s_q,
                                page_size=64, seed=17, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
