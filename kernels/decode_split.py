@@ -174,7 +174,8 @@ uses. Same H100, one command, old and new code
 1.04-1.15x, bf16 h=16 s_q=1 1.05-1.12x, bf16 h=16 s_q=2 0.97-1.07x, FP8 h=16 1.00-1.03x.
 
 P through memory (``P_MEM``, FP8 caches on the dequantise path in 64-row blocks, i.e.
-h=128; ``fp8_p_via_memory``). Triton gives a dot whose result reaches another dot all the
+h=128, and the FP8 default at 17-32 query rows, h=16 at s_q=2, whose 64-row block is half
+padding; ``fp8_p_via_memory``). Triton gives a dot whose result reaches another dot all the
 warps along M (``warpsPerTileV3`` in its ``AccelerateMatmul``: any dot in the forward slice
 of the result), and 64 rows fill one warpgroup, so with 8 warps both warpgroups compute the
 same ``Q K^T`` tile (72 ``HGMMA.64x32x16`` a warp a tile: the whole S each). Here each tile's
@@ -193,6 +194,11 @@ B 32/128, L 1k-16k): at 128-key tiles and one stage 1.04-1.12x over the same con
 it and 1.05-1.14x over the former 64-key / 2-stage default, which it replaced; at 64-key
 tiles it is level (0.97-1.01x). The slot is written before it is read in every tile and never
 read across launches, so the launcher allocates it afresh per launch (graph-capture safe).
+At 32 query rows (h=16, s_q=2) this 64-row wgmma kernel, half its rows padding, beat the
+32-row grouped kernel (``mma.sync``, warps ``[1, 8]``: the 8 warps split the keys, so each
+needs the whole 32 x 576 q block as its dot operand, more than its registers hold): 1.02-1.30x, geo-mean 1.11, same H100, one command
+(``h100-2026-11-26-kernel-6-before-0236ef3.json`` / ``-kernel-6.json``); at 16 rows it lost
+(0.94x at B=128, L=16k, ``h100-2026-11-26-fp8-m64-h16.json``).
 
 Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
 
