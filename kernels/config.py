@@ -614,8 +614,9 @@ class DecodeConfig:
       flattened token-major, so the MTP tokens fold into the M dimension with the heads.
     - ``block_n``: keys per inner-loop tile; also the planner's unit of work (a *tile*).
     - ``num_parts``: programs along the KV axis (a persistent grid): the planner cuts the
-      batch's total tile count into ``num_parts`` equal contiguous ranges; a request
-      crossed by a cut is split, its pieces merged by the combine kernel.
+      batch's total tile count into at most ``num_parts`` equal contiguous ranges (the fewest
+      that keep the longest at ``cdiv(total, num_parts)`` tiles; ``kernels/planner.py``); a
+      request crossed by a cut is split, its pieces merged by the combine kernel.
     - ``min_tiles_per_part``: fewer parts are used when the batch is short, so a part
       never gets less than this many tiles (combine work would dominate).
     - ``num_warps`` / ``num_stages``: Triton's; ignored by the interpreter.

@@ -3,9 +3,15 @@
 The decode runs a *persistent* grid of ``num_parts`` programs along the KV axis (times
 the query-row blocks). The planner lays every request's KV tiles (``block_n`` keys each)
 end to end — request 0's tiles, then request 1's, ... — and cuts that sequence into
-``P_eff = max(1, min(num_parts, total_tiles // min_tiles_per_part))`` equal contiguous
-ranges, one per part. A request crossed by a cut is *split*; its pieces are merged by
-the combine kernel. Equal ranges balance the parts whatever the length skew.
+``P_eff`` equal contiguous ranges, one per part. A request crossed by a cut is *split*; its
+pieces are merged by the combine kernel. Equal ranges balance the parts whatever the length
+skew. ``P_eff`` is the fewest parts that keep the longest one at ``T = cdiv(total, P0)``
+tiles, ``P0 = max(1, min(num_parts, total // min_tiles_per_part))``: ``P_eff = cdiv(total,
+T)``. The decode's time follows its longest part, which is ``T`` tiles either way, while
+fewer parts cut fewer requests (less partial traffic, less combine work) and, when requests
+hold multiples of ``T`` tiles, cut them only at their ends: B=32 requests of 8 tiles over
+132 parts are 128 parts of 2 tiles, each inside one request, instead of 132 parts of 1-2
+tiles straddling requests.
 
 Outputs (all int32, written in place, read by the decode and combine kernels):
 
@@ -93,10 +99,13 @@ def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
     for b0 in range(BLOCK_B, B, BLOCK_B):
         lens_x = tl.load(seq_ptr + b0 + offs_b, mask=(b0 + offs_b) < B, other=0)
         total += tl.sum((tl.maximum(lens_x, 0) + BLOCK_N - 1) // BLOCK_N, axis=0)
-    parts_eff = tl.maximum(tl.minimum(NUM_PARTS, total // MIN_TILES), 1)
-    # int64: total * P_eff can pass 2**31
+    parts0 = tl.maximum(tl.minimum(NUM_PARTS, total // MIN_TILES), 1)
+    # int64: total * P_eff can pass 2**31 (and total + T - 1 nearly so)
     total64 = tl.maximum(total, 1).to(tl.int64)
-    peff64 = parts_eff.to(tl.int64)
+    # the fewest parts of at most T = cdiv(total, P0) tiles (module doc); scalar divisions, once
+    longest = (total64 + parts0.to(tl.int64) - 1) // parts0.to(tl.int64)
+    peff64 = (total64 + longest - 1) // longest
+    parts_eff = peff64.to(tl.int32)
     inv_total = 1.0 / total64.to(tl.float64)
     carry = total * 0  # tiles of the chunks already walked
     # FUSED (0 or 1; interpreter only, see _launch_shape): one program, both roles in turn
@@ -216,7 +225,9 @@ def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_pe
     B = len(seq_lens)
     tiles = [-(-max(int(L), 0) // block_n) for L in seq_lens]
     total = sum(tiles)
-    parts_eff = max(1, min(num_parts, total // min_tiles_per_part))
+    parts0 = max(1, min(num_parts, total // min_tiles_per_part))
+    longest = -(-max(total, 1) // parts0)
+    parts_eff = -(-max(total, 1) // longest)
     cum = [0]
     for t in tiles:
         cum.append(cum[-1] + t)

@@ -85,6 +85,12 @@ def check_plan(seq_lens, num_parts, block_n, min_tiles, info, nsplit, offsets):
         assert len(live) <= num_parts
         if total >= min_tiles:
             assert min(live) >= min_tiles, f"a part got fewer than {min_tiles} tiles: {sizes}"
+        # the longest part is that of an equal split over P0 = min(num_parts, total // min_tiles)
+        # parts, and no more parts are used than that length needs (planner module doc)
+        p0 = max(1, min(num_parts, total // min_tiles))
+        longest = -(-total // p0)
+        assert max(live) == longest, f"longest part {max(live)} tiles, an equal split over {p0} has {longest}"
+        assert len(live) == -(-total // longest), f"{len(live)} parts where {-(-total // longest)} of <= {longest} do"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -239,3 +245,25 @@ def test_planner_fuses_only_one_chunk_interpreted(monkeypatch):
     with small_chunks(16, 2):  # 3 part programs: no fusion
         planner_mod.launch_planner(seq, info, ns, ns.clone(), block_n=32, min_tiles_per_part=1)
     assert grids[-1] == (3 + 1,)
+
+
+@pytest.mark.parametrize("tiles_each,batch,num_parts", [(8, 32, 132), (4, 32, 66), (16, 128, 132), (3, 100, 132),
+                                                        (6, 5, 10)])
+def test_planner_cuts_uniform_batches_at_request_ends(tiles_each, batch, num_parts):
+    """A batch of equal requests whose tile count is a multiple of the longest part is cut
+    only between its pieces of equal length: no part straddles two requests (B=32 requests
+    of 8 tiles over 132 parts: 128 parts of 2 tiles, 4 pieces a request)."""
+    block_n = 64
+    seq = [tiles_each * block_n] * batch
+    info, nsplit, offsets = run_planner(seq, num_parts, block_n, 1)
+    check_plan(seq, num_parts, block_n, 1, info, nsplit, offsets)
+    total = tiles_each * batch
+    longest = -(-total // min(num_parts, total))
+    covered = walk_parts(info, seq, block_n)
+    parts_of_request = {}
+    for (b, _), [(p, _)] in covered.items():
+        parts_of_request.setdefault(p, set()).add(b)
+    assert tiles_each % longest == 0  # the premise of the case
+    assert all(len(v) == 1 for v in parts_of_request.values()), \
+        f"parts straddling requests: {[p for p, v in parts_of_request.items() if len(v) > 1][:5]}"
+    assert nsplit == [tiles_each // longest] * batch
