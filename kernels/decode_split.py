@@ -229,6 +229,15 @@ Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here)
 - Triton's automatic warp specialization (``tl.range(..., warp_specialize=True)`` on the
   tile loop, Triton 3.6 on sm_90): the loop kept its attribute but was not partitioned;
   same kernel, same times (``h100-2026-11-26-warp-specialize.json``).
+- FP8 64-row blocks with the code tiles pipelined: P through memory's two barriers as
+  inline-asm ``bar.sync`` that the pipeliner does not see, so 64-key tiles at 2-4 stages get
+  cp.async loads with the split QK: 1.02-1.16x slower than the shipped one-stage 128-key
+  kernel (``h100-2026-11-26-fp8-pmem-pipelined.json``); the FP8 tile's cost is its
+  dequantisation (per code: e4m3 -> f16 -> f32, times the scale, -> bf16) and dots, not an
+  exposed load.
+- bf16 64-row blocks at the FP8 shape (128-key tiles, one stage, with or without P through
+  memory): 1.6-2.0x slower than the pipelined 64-key / 2-stage default
+  (``h100-2026-11-26-bf16-h128-bn128.json``).
 
 Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
 ``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
