@@ -238,6 +238,9 @@ Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here)
 - bf16 64-row blocks at the FP8 shape (128-key tiles, one stage, with or without P through
   memory): 1.6-2.0x slower than the pipelined 64-key / 2-stage default
   (``h100-2026-11-26-bf16-h128-bn128.json``).
+- Lazy rescaling on the 16-bit path (the rows' reference max, and so the accumulator's
+  rescale, moves only when some row's max grew by more than 2**8, a block-wide branch):
+  h=128 1.12-1.16x slower, h=16 level (``h100-2026-11-26-lazy-rescale.json``).
 
 Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
 ``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
