@@ -77,6 +77,37 @@ def test_combine_by_kind_of_request(dtype, s_q, h, col_blocks):
     assert (out_rows[6, 0] == 0).all() and lse_rows[6, 0] == -math.inf
 
 
+
+@pytest.mark.parametrize("col_blocks", [1, 2])
+def test_combine_many_pieces_over_several_trips(col_blocks):
+    """Requests of more pieces than one merge trip holds (``combine.COMBINE_CHUNK``): a whole
+    number of trips, one and a piece, and a last trip of a single piece; the running max
+    rises in a later trip (a large lse there) and some pieces have no keys for some rows.
+    The rows past each request's pieces are NaN, so a lane of a trip that reads past its
+    request would show."""
+    from kernels.combine import COMBINE_CHUNK as K
+    g = torch.Generator().manual_seed(11)
+    rank, rows = 32, 6
+    nsplit = torch.tensor([2 * K, K + 1, 2 * K + 1, 1], dtype=torch.int32)
+    offsets = torch.tensor([0, 2 * K + 1, 3 * K + 3, 0], dtype=torch.int32)  # one NaN row after each
+    cap = 5 * K + 5
+    po = torch.randn(cap, rows, rank, generator=g)
+    plse = torch.randn(cap, rows, generator=g) * 3
+    plse[K + 1, :] += 40.0  # request 0: the max moves up in its second trip
+    plse[2 * K + 1:2 * K + 3, 2] = -math.inf  # request 1: pieces without keys in row 2
+    for b in range(3):
+        end = int(offsets[b] + nsplit[b])
+        po[end], plse[end] = float("nan"), float("nan")
+    out_d = torch.full((4, 1, rows, rank), SENTINEL, dtype=torch.float32, device=DEVICE)
+    lse_d = torch.full((4, rows, 1), SENTINEL, dtype=torch.float32, device=DEVICE)
+    ops.combine(po.to(DEVICE), plse.to(DEVICE), nsplit.to(DEVICE), offsets.to(DEVICE), out_d, lse_d, 16, col_blocks)
+    out, lse = out_d.cpu().reshape(4, rows, rank), lse_d.cpu().reshape(4, rows)
+    for b in range(3):
+        o_ref, lse_ref = merge_reference(po, plse, int(offsets[b]), int(nsplit[b]))
+        torch.testing.assert_close(out[b].double(), o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[b].double(), lse_ref, rtol=1e-5, atol=1e-5)
+    assert (out[3] == SENTINEL).all() and (lse[3] == SENTINEL).all()  # one piece: untouched
+
 def test_combine_clamps_pieces_to_the_buffer():
     """A plan whose pieces run past the partial buffer merges only the rows inside it; a
     request whose first piece lies past the end gets 0 / -inf (never an out-of-bounds read)."""
