@@ -196,7 +196,8 @@ tiles it is level (0.97-1.01x). The slot is written before it is read in every t
 read across launches, so the launcher allocates it afresh per launch (graph-capture safe).
 At 32 query rows (h=16, s_q=2) this 64-row wgmma kernel, half its rows padding, beat the
 32-row grouped kernel (``mma.sync``, warps ``[1, 8]``: the 8 warps split the keys, so each
-needs the whole 32 x 576 q block as its dot operand, more than its registers hold): 1.02-1.30x, geo-mean 1.11, same H100, one command
+needs the whole 32 x 576 q block as its dot operand, more than its registers hold):
+1.02-1.30x, geo-mean 1.11, same H100, one command
 (``h100-2026-11-26-kernel-6-before-0236ef3.json`` / ``-kernel-6.json``); at 16 rows it lost
 (0.94x at B=128, L=16k, ``h100-2026-11-26-fp8-m64-h16.json``).
 
