@@ -89,12 +89,19 @@ def load_repro(path: str | os.PathLike) -> dict:
         data = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReproError(f"{p}: not valid JSON ({exc})") from None
+    check_repro(data, str(p))
+    return data
+
+
+def check_repro(data, where: str = "repro") -> None:
+    """Validate a repro's fields, config and steps (what ``load_repro`` checks after parsing);
+    ``ReproError`` names ``where`` and what is wrong."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ReproError(f"{p}: not an mla-fuzz repro (expected format {FORMAT!r}, "
+        raise ReproError(f"{where}: not an mla-fuzz repro (expected format {FORMAT!r}, "
                          f"got {data.get('format') if isinstance(data, dict) else type(data).__name__!r})")
     for key in ("backend", "graph_mode", "config", "steps"):
         if key not in data:
-            raise ReproError(f"{p}: missing field {key!r}")
+            raise ReproError(f"{where}: missing field {key!r}")
     try:
         cfg = ScenarioConfig.from_dict(data["config"])
         if not isinstance(data["steps"], list) or not data["steps"]:
@@ -102,8 +109,7 @@ def load_repro(path: str | os.PathLike) -> dict:
         for s in data["steps"]:
             validate_step(s, cfg)
     except (ValueError, TypeError) as exc:
-        raise ReproError(f"{p}: {exc}") from None
-    return data
+        raise ReproError(f"{where}: {exc}") from None
 
 
 @dataclass
@@ -119,7 +125,10 @@ class ReplayResult:
 
 def replay_repro(data: dict, *, backend: str | None = None, graph_mode: str | None = None,
                  device=None, diagnose_failure: bool = True) -> ReplayResult:
-    """Re-run a loaded repro (optionally against another backend / graph mode)."""
+    """Re-run a loaded repro (optionally against another backend / graph mode). A dict not
+    read by ``load_repro`` (an edited or hand-built one) is validated the same way first:
+    ``ReproError`` instead of a failure deep inside a step (a seq_len past the pages)."""
+    check_repro(data)
     backend_cls = load_backend(backend or data["backend"])
     mode = graph_mode or data["graph_mode"]
     if mode == "cuda":

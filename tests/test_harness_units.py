@@ -205,6 +205,21 @@ def test_repro_files_are_validated(tmp_path):
         load_repro(other)
 
 
+
+def test_replay_of_a_hand_built_repro_is_validated():
+    """``replay_repro`` on a dict that did not come through ``load_repro`` (edited in a
+    script) gets the same checks: a seq_len past the config's pages is a ReproError naming
+    the limit, not an IndexError from inside the step."""
+    from harness.repro import replay_repro
+    cfg = _cfg()
+    repro = {"format": "mla-fuzz-repro/1", "backend": "triton", "graph_mode": "emulated", "config": cfg.to_dict(),
+             "steps": [{"op": "eager", "batch": {"seed": 1, "seq_lens": [cfg.max_seq_len + 1], "q_lens": [1],
+                                                  "max_decode_len": 1}, "pad_to": None, "poison": False}]}
+    with pytest.raises(ReproError, match=f"exceeds max_seq_len {cfg.max_seq_len}"):
+        replay_repro(repro)
+    with pytest.raises(ReproError, match="missing field 'steps'"):
+        replay_repro({k: v for k, v in repro.items() if k != "steps"})
+
 def test_repro_write_is_atomic_and_roundtrips(tmp_path):
     cfg = _cfg()
     repro = {"format": "mla-fuzz-repro/1", "backend": "triton", "graph_mode": "emulated", "config": cfg.to_dict(),
