@@ -120,7 +120,7 @@ def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, 
     Shapes: partial_o fp32 ``[cap, s_q*h, rank]``; partial_lse fp32 ``[cap, s_q*h]`` (base 2);
     num_splits / split_offsets int32 ``[B]``; out ``[B, s_q, h, rank]``; lse fp32 ``[B, h, s_q]``.
     ``col_blocks``: programs per row block along the latent columns (``rank / col_blocks``
-    columns each, a power of two). ``chunk``: pieces merged per loop trip (a power of two).
+    columns each, a power of two). ``chunk``: pieces merged per loop trip (a positive int; the trip is unrolled).
     """
     B, s_q, h, rank = out.shape
     if B == 0:
