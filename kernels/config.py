@@ -667,6 +667,20 @@ class DecodeConfig:
         return max(2 * self.num_parts, 1)
 
 
+def _wgmma_device(device: torch.device) -> bool:
+    """Whether 64-row blocks on ``device`` take the Hopper Gluon kernel
+    (``kernels/decode_wgmma.py``: compute capability 9.x, Gluon importable, its switch on).
+    A CUDA device on a machine without CUDA (tests asking for the CUDA defaults) counts as the
+    H100 the defaults were tuned on, as in ``_sm_count``."""
+    from . import decode_wgmma
+    if decode_wgmma.gluon is None or not decode_wgmma.WGMMA_DECODE:
+        return False
+    try:
+        return torch.cuda.get_device_capability(device)[0] == 9
+    except Exception:  # pragma: no cover - no CUDA
+        return True
+
+
 def _sm_count(device: torch.device) -> int:
     try:
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -708,8 +722,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     ``h100-2026-11-26-config-sweep-pageconst.json``) and the 64-row block above that, 17-32
     rows included (its padding rows masked; ``h100-2026-11-26-fp8-m64-h16.json``); 64-row
     blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key
-    tiles with P through memory (``decode_split.fp8_p_via_memory``); the combine splits the
-    latent columns in 128s.
+    tiles with P through memory (``decode_split.fp8_p_via_memory``) -- except on Hopper, where
+    64-row blocks of 64-key tiles (bf16's default, and FP8's there) run the Gluon kernel
+    ``kernels/decode_wgmma.py``; the combine splits the latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -755,6 +770,13 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # bf16 unchanged
         block_m, block_n, warps, stages = (64, 128, 8, 1) if fp8 else (64, 64, 8, 2)
         min_tiles = 1 if fp8 else 2
+        if fp8 and _wgmma_device(device):
+            # Hopper: the Gluon kernel (kernels/decode_wgmma.py), written for 64-key tiles:
+            # 0.99-1.23x the Triton kernel's 128-key default above (h100-2026-11-26-wgmma-ab-fp8.json;
+            # bf16 keeps its tiles, already 64 keys). Parts of two tiles, the 128 keys of the
+            # former parts of one: parts of one 64-key tile split B=1, L=4k (h=128, s_q=1) over
+            # twice the pieces and ran 0.89x (h100-2026-11-26-kernel-9-*.json)
+            block_n, min_tiles = 64, 2
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x

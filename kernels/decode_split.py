@@ -201,6 +201,15 @@ needs the whole 32 x 576 q block as its dot operand, more than its registers hol
 (``h100-2026-11-26-kernel-6-before-0236ef3.json`` / ``-kernel-6.json``); at 16 rows it lost
 (0.94x at B=128, L=16k, ``h100-2026-11-26-fp8-m64-h16.json``).
 
+Hopper at 64-row blocks. On a GPU of compute capability 9.x, a launch of 64-row blocks of
+64-key tiles (h=128 on a 16-bit cache by default; FP8 64-row blocks take 64-key tiles there
+too) runs the Gluon kernel of ``kernels/decode_wgmma.py`` instead of this one (its
+``wgmma_plan`` decides; ``WGMMA_DECODE`` switches it off): it splits both dots over the two
+warpgroups, hands P over through shared memory and keeps the PV dot in flight across the next
+tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc). This kernel still
+serves every other shape, every other GPU and the interpreter, and the notes below on 64-row
+blocks describe it (measured with the Gluon kernel off or before it existed).
+
 Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
 
 - 64-row bf16 blocks (h=128) keep the duplicated ``Q K^T`` (above): about 38% of the measured
@@ -264,6 +273,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
+from .decode_wgmma import launch_decode_wgmma, wgmma_plan
 from .rounding import to_out
 
 try:  # host-side TMA descriptors (Triton >= 3.3; the same class in 3.6 and 3.9)
@@ -909,6 +919,14 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     num_parts = part_info.shape[0] - 1
     m_blocks = triton.cdiv(s_q * h, block_m)
     fp8 = kv_cache.dtype == torch.uint8
+    if not dot_f32 and wgmma_plan(q, kv_cache, rank=rank, rope_dim=rope_dim, block_m=block_m, block_n=block_n,
+                                  num_warps=num_warps, fp8_group=fp8_group) is None:
+        # Hopper, 64-row blocks of 64-key tiles: the Gluon kernel (kernels/decode_wgmma.py)
+        launch_decode_wgmma(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
+                            split_offsets, out, lse, partial_o, partial_lse,
+                            softmax_scale_log2=float(softmax_scale) * _LOG2E, rank=rank, rope_dim=rope_dim,
+                            fp8_group=fp8_group, block_m=block_m, block_n=block_n)
+        return
     grouped = fp8 and bool(fp8_grouped) and fp8_grouped_dots(rank, fp8_group, block_m)
     tma = fp8_tma_plan(kv_cache, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m,
                        block_n=block_n, num_stages=num_stages) if fp8 else None

@@ -202,10 +202,12 @@ def test_layer_matches_reference_gpu(kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_cuda_graph_replay_follows_new_builds(kv):
-    """Capture forward once; replays after new builds must equal eager forwards bitwise."""
-    spec = ModelSpec(num_heads=16)
+def test_cuda_graph_replay_follows_new_builds(kv, heads):
+    """Capture forward once; replays after new builds must equal eager forwards bitwise
+    (h=128 at bf16: the Hopper Gluon kernel, kernels/decode_wgmma.py)."""
+    spec = ModelSpec(num_heads=heads)
     be = make_backend(spec, device="cuda", max_blocks_per_seq=64)
     cases = [make_case(spec, seq_lens=s, q_lens=q, s_q=2, page_size=64, kv_dtype=kv, seed=i, device="cuda")
              for i, (s, q) in enumerate([([100, 5, 3000], [2, 1, 2]), ([2500, 0, 9, 64], [1, 0, 2, 2]),

@@ -356,10 +356,13 @@ def test_fp8_p_via_memory_choice(monkeypatch):
     assert not ds.fp8_p_via_memory(True, True, 64)   # grouped path
     assert not ds.fp8_p_via_memory(False, False, 64)  # 16-bit cache: barriers would stop the pipeliner
     assert not ds.fp8_p_via_memory(True, False, 32)
+    import kernels.decode_wgmma as dw
     cuda = torch.device("cuda")
+    monkeypatch.setattr(dw, "WGMMA_DECODE", False)  # a GPU without the Hopper Gluon kernel
     h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
     assert (h128.block_m, h128.block_n, h128.num_stages, h128.min_tiles_per_part) == (64, 128, 1, 1)
     assert not h128.fp8_grouped
+    monkeypatch.setattr(dw, "WGMMA_DECODE", True)
     seen = _spy_kwargs(monkeypatch, ds, "P_MEM")
     spec = ModelSpec.tiny(num_heads=16)
     case = make_case(spec, seq_lens=[50, 3], q_lens=[4, 2], s_q=4, page_size=16, kv_dtype="fp8", seed=5)
@@ -381,11 +384,16 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     fuzzer's small row counts dequantise up to 16 rows, so both paths get fuzzed. A config
     with ``fp8_grouped=False`` still matches the reference (the launcher honours it)."""
     import kernels.decode_split as ds
+    import kernels.decode_wgmma as dw
     cuda = torch.device("cuda")
     assert default_config(ModelSpec(num_heads=16), 1, cuda, fp8=True).fp8_grouped
-    h16_sq2 = default_config(ModelSpec(num_heads=16), 2, cuda, fp8=True)
-    assert not h16_sq2.fp8_grouped and (h16_sq2.block_m, h16_sq2.block_n, h16_sq2.num_stages) == (64, 128, 1)
-    assert ds.fp8_p_via_memory(True, h16_sq2.fp8_grouped, h16_sq2.block_m)  # P through memory
+    for wgmma, block_n, min_tiles in ((False, 128, 1), (True, 64, 2)):  # Hopper's Gluon kernel: 64-key tiles
+        monkeypatch.setattr(dw, "WGMMA_DECODE", wgmma)
+        h16_sq2 = default_config(ModelSpec(num_heads=16), 2, cuda, fp8=True)
+        assert not h16_sq2.fp8_grouped and (h16_sq2.block_m, h16_sq2.block_n, h16_sq2.num_stages) == (64, block_n, 1)
+        assert ds.fp8_p_via_memory(True, h16_sq2.fp8_grouped, h16_sq2.block_m)  # P through memory (Triton kernel)
+        h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
+        assert (h128.block_m, h128.block_n, h128.min_tiles_per_part) == (64, block_n, min_tiles)
     assert default_config(ModelSpec(num_heads=16), 2, cuda).block_m == 32  # bf16 keeps its 32-row block
     assert not default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True).fp8_grouped
     tiny = ModelSpec.tiny(num_heads=8)
@@ -606,7 +614,11 @@ def test_decode_fp8_tma_random_interpreter(monkeypatch, e4m3_nan, args):
 # --------------------------------------------------------------------------- FP8 fp16 dots
 
 def _spy_kwargs(monkeypatch, ds, *names):
-    """Record the constexprs ``names`` of every decode_split launch (a tuple per launch)."""
+    """Record the constexprs ``names`` of every decode_split launch (a tuple per launch).
+    The Triton kernel's paths are what such a test checks, so the Hopper Gluon kernel
+    (kernels/decode_wgmma.py, which would take 64-row blocks of 64 keys) is switched off."""
+    import kernels.decode_wgmma as dw
+    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
     seen = []
     real = ds._decode_split_kernel
 

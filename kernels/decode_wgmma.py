@@ -1,0 +1,364 @@
+"""Hopper split-KV decode at 64-row blocks, written in Gluon (GPU only): 16-bit and FP8 caches.
+
+The same contract, plan and stores as ``decode_split._decode_split_kernel`` (grid
+``(num_parts, m_blocks)``, one program per (part, row block); parts from the planner; a
+request that is not split stores ``out``/``lse``, a split one its fp32 partial), for the
+shape where that kernel is bound by its serial wgmma chain: 64 query rows a block (h=128;
+h=16 at s_q=2 on FP8, whose 32 rows are padded to 64). Triton's ``tl.dot`` there computes
+the ``Q K^T`` tile in *both* warpgroups (a dot whose result reaches another dot gets every
+warp along M) and waits for each dot before the next step. Gluon states the layouts, the
+shared buffers and the waits, so here:
+
+- both dots are laid out ``[4, 2]``: for ``S = Q K^T`` (64 rows x 64 keys) each warpgroup
+  computes 32 keys; for ``acc += P V`` (64 rows x 512 latent columns) each computes 256
+  columns. Each warpgroup's half of P goes to a shared ``[64, 64]`` buffer; after a barrier
+  the PV dot reads all of it. The row max and sum of the softmax span both warpgroups
+  (Gluon's cross-warp reduction).
+- the key tiles are copied ``cp.async`` into a ring of two shared buffers (one tile in
+  flight while one is used), a key's row found through the block table as in the Triton
+  kernel; keys past ``seq_len`` are masked copies, which land as zeros (a NaN-poisoned stale
+  slot never reaches ``P @ V``).
+- the PV dot is issued asynchronously and waited for only at the top of the next tile,
+  after the next copy has been issued.
+
+Per tile (``S`` scaled by ``softmax_scale * log2(e)``)::
+
+    S   = where(visible, Q_lat K_lat^T + Q_rope K_rope^T, -inf)
+    m'  = max(m, rowmax S);  P = exp2(S - m');  alpha = exp2(m - m')
+    l   = l alpha + rowsum P;  acc = acc alpha + P K_lat;  m = m'
+
+FP8 caches: the ring holds the tile's e4m3 codes, fp32 scales and bf16 rope as copied; the
+warps dequantise the codes into one shared bf16 K tile, a scale group (128 columns) at a
+time, ``code * scale`` in fp32 rounded to bf16 -- the values the Triton kernel's dequantise
+path feeds its dots -- and the dots read that tile and the copied rope. One K tile, not two:
+two do not fit next to the codes' ring, so the dequantisation of tile i+1 waits for the PV
+dot of tile i. FP8 takes bf16 queries only (the cache's rope is bf16 and meets q's rope in
+a dot as it is); fp16 queries stay on the Triton kernel.
+
+Shared memory at rank 512 + rope 64 and 64-key tiles: q 72 KiB, P 8 KiB, and two 72 KiB
+tiles (16-bit: 224.5 KiB in all) or two 41 KiB FP8 tiles and one 64 KiB K tile (226.5 KiB),
+of the H100's 227.
+
+Measured on an H100 against the Triton kernel's defaults, same command, best of two runs
+each (``benchmarks/results/h100-2026-11-26-wgmma-ab-bf16.json`` / ``-wgmma-ab-fp8.json``; B
+1-128, L 1k-16k): bf16 h=128 1.17-1.47x (s_q=1) and 1.14-1.42x (s_q=2); FP8 (parts of two
+tiles) 1.05-1.14x at h=128, s_q=1, 0.99-1.11x at h=128, s_q=2 and 1.05-1.23x at h=16, s_q=2 --
+FP8 is held back by its dequantisation, which does not overlap the dots.
+
+Taken by ``decode_split.launch_decode_split`` when ``wgmma_plan`` says so (CUDA device of
+compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 + rope 64,
+a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
+``WGMMA_DECODE`` switch on); ``config.default_config`` picks 64-key tiles for FP8 64-row
+blocks on such a device. Gluon has no interpreter, so the CPU suite runs the Triton kernel
+(and checks the choice); the ``gpu`` tests run this one against ``mla_ref``, inside CUDA
+graphs too.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
+    gluon = None
+
+__all__ = ["WGMMA_DECODE", "wgmma_plan", "launch_decode_wgmma"]
+
+#: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
+#: tests turn it off to time / check the Triton kernel on the same GPU).
+WGMMA_DECODE = True
+#: The FP8 scale group the dequantisation is written for (a warp converts 4 rows x 128 codes
+#: per step, one group's worth of a key; DeepSeek's 128).
+FP8_GROUP = 128
+
+
+def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: int, block_m: int, block_n: int,
+               num_warps: int, fp8_group: int = 128, capability: Optional[tuple] = None) -> Optional[str]:
+    """None when this kernel can run the launch, else the reason it cannot (host-side,
+    static: a captured graph's kernel choice depends only on capture-time facts).
+
+    ``capability``: the device's compute capability; None reads it from ``q``'s device (and
+    a CPU tensor cannot take the kernel). Passing it lets tests ask what a device would get.
+    """
+    if gluon is None:
+        return "this Triton has no Gluon"
+    if not WGMMA_DECODE:
+        return "WGMMA_DECODE is off"
+    if capability is None:
+        if q.device.type != "cuda":
+            return "not a CUDA tensor"
+        capability = tuple(torch.cuda.get_device_capability(q.device))
+    cap = tuple(capability)
+    if cap[0] != 9:
+        return f"compute capability {cap} is not Hopper (9.x)"
+    if kv_cache.dtype == torch.uint8:
+        if q.dtype != torch.bfloat16:
+            # the cache's rope is bf16 and feeds a dot with q's rope as it is
+            return f"FP8 cache with {q.dtype} queries (this kernel takes bf16 queries)"
+        if fp8_group != FP8_GROUP:
+            return f"FP8 scale group of {fp8_group} (this kernel dequantises groups of {FP8_GROUP})"
+        if kv_cache.shape[-1] != rank + 4 * (rank // fp8_group) + 2 * rope_dim:
+            return "FP8 token layout is not codes + fp32 scales + bf16 rope"
+    elif kv_cache.dtype not in (torch.bfloat16, torch.float16) or q.dtype != kv_cache.dtype:
+        return "not a 16-bit or FP8 cache with q of the cache's dtype"
+    if (rank, rope_dim) != (512, 64):
+        return f"rank {rank} + rope {rope_dim} (the shared-memory budget is sized for 512 + 64)"
+    if (block_m, block_n, num_warps) != (64, 64, 8):
+        return f"block {block_m}x{block_n} with {num_warps} warps (this kernel is 64x64, 8 warps)"
+    return None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _issue_tile(k_lat_buf, k_rope_buf, sc_buf, kv_ptr, bt_row, tile, seq_len, PAGE: gl.constexpr,
+                    RANK: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, FP8: gl.constexpr, LAT_L: gl.constexpr, ROPE_L: gl.constexpr,
+                    SC_L: gl.constexpr):
+        # Copy one tile's keys into shared memory (cp.async). Keys past seq_len (and a whole
+        # tile past the request, issued to keep the group count uniform) are masked: cp.async
+        # writes zeros for them, so a NaN-poisoned stale slot never reaches a dot.
+        # A 16-bit cache: the latent and the rope of each key. FP8: the e4m3 codes, the fp32
+        # group scales and the bf16 rope (token layout codes | scales | rope).
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_L))
+        kv_ok = offs_n < seq_len
+        # -- key positions -> cache slots (the block table; the sparse-decode hook)
+        page = gl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
+        row = (page.to(gl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+        cols = gl.arange(0, RANK, layout=gl.SliceLayout(0, LAT_L))
+        async_copy.async_copy_global_to_shared(k_lat_buf, kv_ptr + row[:, None] + cols[None, :],
+                                               mask=kv_ok[:, None] & (cols[None, :] < RANK))
+        offs_nr = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
+        ok_r = offs_nr < seq_len
+        page_r = gl.load(bt_row + offs_nr // PAGE, mask=ok_r, other=0)
+        cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
+        if FP8:
+            rope_at = (kv_ptr + (page_r.to(gl.int64) * PAGE + offs_nr % PAGE) * TOKEN_STRIDE + RANK + 4 * NG)
+            rope_ptr = rope_at.to(gl.pointer_type(k_rope_buf.dtype))
+        else:
+            rope_ptr = kv_ptr + (page_r.to(gl.int64) * PAGE + offs_nr % PAGE) * TOKEN_STRIDE + RANK
+        async_copy.async_copy_global_to_shared(k_rope_buf, rope_ptr[:, None] + cols_r[None, :],
+                                               mask=ok_r[:, None] & (cols_r[None, :] < ROPE))
+        if FP8:
+            offs_ns = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SC_L))
+            ok_s = offs_ns < seq_len
+            page_s = gl.load(bt_row + offs_ns // PAGE, mask=ok_s, other=0)
+            sc_at = (kv_ptr + (page_s.to(gl.int64) * PAGE + offs_ns % PAGE) * TOKEN_STRIDE + RANK)
+            cols_s = gl.arange(0, NG, layout=gl.SliceLayout(0, SC_L))
+            async_copy.async_copy_global_to_shared(sc_buf, sc_at.to(gl.pointer_type(gl.float32))[:, None]
+                                                   + cols_s[None, :], mask=ok_s[:, None] & (cols_s[None, :] < NG))
+
+    @gluon.jit
+    def _dequantise(codes_buf, sc_buf, k_lat_s, RANK: gl.constexpr, NG: gl.constexpr, BLOCK_N: gl.constexpr,
+                    DT: gl.constexpr, DEQ_L: gl.constexpr, SC_L: gl.constexpr):
+        # K_lat[n, c] = code[n, c] * scale[n, g(c)], rounded to the q dtype (as the Triton
+        # kernel's dequantise path), one scale group at a time: shared codes -> registers ->
+        # the shared K tile the dots read
+        GROUP: gl.constexpr = RANK // NG
+        sc = sc_buf.load(SC_L)
+        cols = gl.arange(0, NG, layout=gl.SliceLayout(0, SC_L))
+        for g in gl.static_range(NG):
+            sc_g = gl.sum(gl.where(cols[None, :] == g, sc, 0.0), axis=1)
+            sc_g = gl.convert_layout(sc_g, gl.SliceLayout(1, DEQ_L))
+            codes = codes_buf.slice(g * GROUP, GROUP, dim=1).load(DEQ_L)
+            vals = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc_g[:, None]
+            k_lat_s.slice(g * GROUP, GROUP, dim=1).store(vals.to(DT))
+
+    @gluon.jit
+    def _decode_wgmma_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
+                             out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
+                             PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
+                             TOKEN_STRIDE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
+                             BLOCK_N: gl.constexpr):
+        gl.static_assert(BLOCK_M == 64)
+        gl.static_assert(gl.num_warps() == 8)
+        DT: gl.constexpr = q_ptr.dtype.element_ty
+        D: gl.constexpr = RANK + ROPE
+        NG: gl.constexpr = RANK // GROUP
+        LN2: gl.constexpr = 0.6931471805599453
+        # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                     instr_shape=[16, BLOCK_N // 2, 16])
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, RANK // 2, 16])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+        ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
+        COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
+        # copies: 16-byte vectors along a row (8 16-bit values; 16 e4m3 codes)
+        Q_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+                                             warps_per_cta=[8, 1], order=[1, 0])
+        if FP8:
+            LAT_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[1, 32],
+                                                   warps_per_cta=[8, 1], order=[1, 0])
+        else:
+            LAT_L: gl.constexpr = Q_L
+        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                warps_per_cta=[8, 1], order=[1, 0])
+        # FP8: a key's NG scale words; a group's codes read back 16 a thread, 4 rows x 128 a warp
+        SC_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NG], threads_per_warp=[32, 1],
+                                              warps_per_cta=[2, 4], order=[1, 0])
+        DEQ_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+                                               warps_per_cta=[8, 1], order=[1, 0])
+        LAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], DT)
+        ROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT)
+        QLAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, RANK], DT)
+        QROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT)
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT)
+        PLAIN_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+        q_lat_s = gl.allocate_shared_memory(DT, [BLOCK_M, RANK], QLAT_SH)
+        q_rope_s = gl.allocate_shared_memory(DT, [BLOCK_M, ROPE], QROPE_SH)
+        k_rope_s = gl.allocate_shared_memory(DT, [2, BLOCK_N, ROPE], ROPE_SH)
+        p_s = gl.allocate_shared_memory(DT, [BLOCK_M, BLOCK_N], P_SH)
+        if FP8:
+            # two tiles of codes and scales in flight, one dequantised K tile
+            codes_s = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, RANK], PLAIN_SH)
+            sc_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, NG], PLAIN_SH)
+            k_lat_s = gl.allocate_shared_memory(DT, [1, BLOCK_N, RANK], LAT_SH)
+        else:
+            k_lat_s = gl.allocate_shared_memory(DT, [2, BLOCK_N, RANK], LAT_SH)
+            codes_s = k_lat_s
+            sc_s = k_lat_s
+
+        pid_p = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        ROWS = SQ * H
+        b_first = gl.load(part_ptr + pid_p * 3 + 0)
+        t_first = gl.load(part_ptr + pid_p * 3 + 1)
+        j_first = gl.load(part_ptr + pid_p * 3 + 2)
+        b_end = gl.load(part_ptr + (pid_p + 1) * 3 + 0)
+        t_end = gl.load(part_ptr + (pid_p + 1) * 3 + 1)
+        b_last = gl.where(t_end > 0, b_end, b_end - 1)
+        ctx_w = gl.load(ctxw_ptr)
+
+        # rows in the copy layouts (q) and in the dot layouts (mask, stores)
+        m_lat = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, Q_L))
+        m_rope = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROPE_L))
+        m_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
+        m_a = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_A)
+        c_lat = gl.arange(0, RANK, layout=gl.SliceLayout(0, Q_L))
+        c_rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
+        c_a = gl.arange(0, RANK, layout=COL_A)
+        n_s = gl.arange(0, BLOCK_N, layout=COL_S)
+        row_ok_s = m_s < ROWS
+        tok_s = m_s // H
+        head_s = m_s % H
+        ok_a = (m_a < ROWS)[:, None] & (c_a[None, :] < RANK)
+
+        for b in range(b_first, b_last + 1):
+            b64 = b.to(gl.int64)
+            seq_len = gl.load(seq_ptr + b)
+            n_tiles = (gl.maximum(seq_len, 0) + BLOCK_N - 1) // BLOCK_N
+            t0 = gl.where(b == b_first, t_first, 0)
+            t1 = gl.where(b == b_end, t_end, n_tiles)
+            if t1 > t0:
+                piece = gl.where(b == b_first, j_first, 0)
+                nsplit = gl.load(nsplit_ptr + b)
+                p_row = gl.load(off_ptr + b) + piece
+                bt_row = bt_ptr + b64 * bt_stride
+                ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=row_ok_s & (tok_s < ctx_w), other=0)
+                # every warp is done with the shared buffers of the previous request
+                gl.thread_barrier()
+                # q (padding rows: zeros) and tile t0: copy group 0
+                q_row = q_ptr + b64 * (ROWS * D)
+                async_copy.async_copy_global_to_shared(
+                    q_lat_s, q_row + m_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
+                    mask=(m_lat < ROWS)[:, None] & (c_lat[None, :] < RANK))
+                async_copy.async_copy_global_to_shared(
+                    q_rope_s, q_row + m_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
+                    mask=(m_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+                _issue_tile(codes_s.index(0), k_rope_s.index(0), sc_s.index(0), kv_ptr, bt_row, t0, seq_len,
+                            PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, FP8, LAT_L, ROPE_L, SC_L)
+                async_copy.commit_group()
+
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+                l_i = gl.full([BLOCK_M], 0.0, gl.float32, ROW_S)
+                # carried through the loop as an in-flight wgmma accumulator
+                acc = warpgroup_mma_init(gl.full([BLOCK_M, RANK], 0.0, gl.float32, ACC_L))
+                for tile in range(t0, t1):
+                    buf = (tile - t0) % 2
+                    # the PV dot of the previous tile (which read the other buffer, or the one
+                    # dequantised K tile, and P) is done in this warpgroup; the barrier makes it
+                    # done in both before they are reused
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    gl.thread_barrier()
+                    _issue_tile(codes_s.index(1 - buf), k_rope_s.index(1 - buf), sc_s.index(1 - buf), kv_ptr,
+                                bt_row, tile + 1, gl.where(tile + 1 < t1, seq_len, 0), PAGE, RANK, ROPE, NG,
+                                TOKEN_STRIDE, BLOCK_N, FP8, LAT_L, ROPE_L, SC_L)
+                    async_copy.commit_group()
+                    # this tile's group (all but the one just issued) has landed, for every thread,
+                    # and is visible to the tensor cores' (async proxy) reads
+                    async_copy.wait_group(1)
+                    if FP8:
+                        gl.thread_barrier()
+                        k_lat = k_lat_s.index(0)
+                        _dequantise(codes_s.index(buf), sc_s.index(buf), k_lat, RANK, NG, BLOCK_N, DT, DEQ_L,
+                                    SC_L)
+                    else:
+                        k_lat = k_lat_s.index(buf)
+                    fence_async_shared()
+                    gl.thread_barrier()
+
+                    s = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, S_L)
+                    s = warpgroup_mma(q_rope_s, k_rope_s.index(buf).permute((1, 0)), s, use_acc=False,
+                                      is_async=True)
+                    s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+                    offs_n = tile * BLOCK_N + n_s
+                    s = s * qk_scale
+                    visible = (offs_n[None, :] < ctx[:, None]) & (offs_n < seq_len)[None, :]
+                    s = gl.where(visible, s, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_ref)
+                    p = gl.exp2(s - m_ref[:, None])
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    m_i = m_new
+
+                    acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
+                    p_s.store(p.to(DT))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                # the trailing (empty) copy group
+                async_copy.wait_group(0)
+
+                has_keys = l_i > 0.0
+                l_safe = gl.where(has_keys, l_i, 1.0)
+                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                l_col = gl.convert_layout(l_safe, ROW_A)[:, None]
+                o = acc / l_col
+                m_rows = m_a.to(gl.int64)[:, None] * RANK + c_a[None, :]
+                if nsplit == 1:
+                    gl.store(out_ptr + b64 * (ROWS * RANK) + m_rows, o.to(out_ptr.dtype.element_ty), mask=ok_a)
+                    gl.store(lse_ptr + b64 * ROWS + head_s * SQ + tok_s, lse2 * LN2, mask=row_ok_s)
+                elif p_row < partial_cap:
+                    p64 = p_row.to(gl.int64)
+                    gl.store(po_ptr + p64 * (ROWS * RANK) + m_rows, o, mask=ok_a)
+                    gl.store(plse_ptr + p64 * ROWS + m_s, lse2, mask=row_ok_s)
+
+
+def launch_decode_wgmma(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
+                        split_offsets, out, lse, partial_o, partial_lse, *, softmax_scale_log2: float, rank: int,
+                        rope_dim: int, fp8_group: int, block_m: int, block_n: int) -> None:
+    """Launch this kernel (arguments as ``decode_split.launch_decode_split``; the caller has
+    checked ``wgmma_plan``). Shapes: q ``[B, s_q, h, rank + rope]`` (bf16/fp16, the cache's
+    dtype); kv_cache ``[num_blocks, page, rank + rope]``; the rest as the Triton launcher."""
+    B, s_q, h, _ = q.shape
+    num_parts = part_info.shape[0] - 1
+    m_blocks = -(-(s_q * h) // block_m)
+    _decode_wgmma_kernel[(num_parts, m_blocks)](
+        q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
+        out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
+        PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group if fp8_group > 0 else rank,
+        TOKEN_STRIDE=kv_cache.shape[-1], FP8=kv_cache.dtype == torch.uint8, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=8)
