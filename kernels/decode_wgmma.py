@@ -45,6 +45,23 @@ each (``benchmarks/results/h100-2026-11-26-wgmma-ab-bf16.json`` / ``-wgmma-ab-fp
 tiles) 1.05-1.14x at h=128, s_q=1, 0.99-1.11x at h=128, s_q=2 and 1.05-1.23x at h=16, s_q=2 --
 FP8 is held back by its dequantisation, which does not overlap the dots.
 
+Tried and not kept: FP8 with the scales on the dot results (the Triton kernel's grouped
+path: codes converted to fp16 exactly, q's latent to fp16 scaled per row by a power of two,
+four group dots whose scores are scaled per key in fp32, ``P * scale`` per group into four
+shared P buffers, one staging buffer so that it fits): correct, but 0.88-1.00x the
+dequantising kernel (``h100-2026-11-26-wgmma-fp8-grouped.json``) -- the cheaper conversion
+did not pay for the serial group dots and the tile copy it exposes. Looking the next tile's
+pages up in the block table a tile ahead of its copies: level (0.97-1.04x); bf16 parts of
+one tile instead of two: 0.80-1.04x (``h100-2026-11-26-wgmma-pages-ahead.json``).
+
+What bounds it now (H100, bf16, h=128, s_q=2, B=128, L=16k: about 5400 cycles a 64-key tile
+against 2200 of tensor-core work): every step of a tile waits for the one before -- PV,
+copies, QK, softmax with its two cross-warpgroup reductions, rescale, P through shared
+memory -- and the tensor cores idle outside the two dots. Overlapping the softmax of one
+tile with the QK of the next needs a third tile buffer or the two warpgroups working on
+alternate tiles (FlashMLA's "seesaw"); the 72 KiB q block leaves no room for the first, and
+the second needs warp-specialised partitions.
+
 Taken by ``decode_split.launch_decode_split`` when ``wgmma_plan`` says so (CUDA device of
 compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 + rope 64,
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
