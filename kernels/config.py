@@ -770,13 +770,22 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # bf16 unchanged
         block_m, block_n, warps, stages = (64, 128, 8, 1) if fp8 else (64, 64, 8, 2)
         min_tiles = 1 if fp8 else 2
-        if fp8 and _wgmma_device(device):
-            # Hopper: the Gluon kernel (kernels/decode_wgmma.py), written for 64-key tiles:
+        if fp8 and not sparse and _wgmma_device(device):
+            # Hopper: the Gluon kernel (kernels/decode_wgmma.py; dense only), written for 64-key tiles:
             # 0.99-1.23x the Triton kernel's 128-key default above (h100-2026-11-26-wgmma-ab-fp8.json;
             # bf16 keeps its tiles, already 64 keys). Parts of two tiles, the 128 keys of the
             # former parts of one: parts of one 64-key tile split B=1, L=4k (h=128, s_q=1) over
             # twice the pieces and ran 0.89x (h100-2026-11-26-kernel-9-*.json)
             block_n, min_tiles = 64, 2
+    if not sparse and _wgmma_device(device) and rows <= 32 and (fp8 or rows > 16):
+        # Hopper, h=16 (FP8 at s_q 1-2, bf16 at s_q=2): the Gluon 64-row kernel too, its
+        # padding rows masked, in parts of four 64-key tiles (parts of two split B=1, L=16k
+        # over 128 pieces and ran 0.86x the Triton kernel). Against the Triton defaults above
+        # over B 1-128, L 1k-16k: bf16 s_q=2 1.02-1.20x, FP8 s_q=1 0.96-1.15x (below 1 only at
+        # B=1, L 1k-4k) (h100-2026-11-26-wgmma-h16.json / -wgmma-h16-mt.json). bf16 at s_q=1
+        # (16 rows) keeps its kernel: 0.76-1.07x
+        block_m, block_n, warps, stages, min_tiles = 64, 64, 8, 2, 4
+        grouped = False
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x

@@ -386,15 +386,28 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     import kernels.decode_split as ds
     import kernels.decode_wgmma as dw
     cuda = torch.device("cuda")
-    assert default_config(ModelSpec(num_heads=16), 1, cuda, fp8=True).fp8_grouped
-    for wgmma, block_n, min_tiles in ((False, 128, 1), (True, 64, 2)):  # Hopper's Gluon kernel: 64-key tiles
-        monkeypatch.setattr(dw, "WGMMA_DECODE", wgmma)
-        h16_sq2 = default_config(ModelSpec(num_heads=16), 2, cuda, fp8=True)
-        assert not h16_sq2.fp8_grouped and (h16_sq2.block_m, h16_sq2.block_n, h16_sq2.num_stages) == (64, block_n, 1)
-        assert ds.fp8_p_via_memory(True, h16_sq2.fp8_grouped, h16_sq2.block_m)  # P through memory (Triton kernel)
-        h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
-        assert (h128.block_m, h128.block_n, h128.min_tiles_per_part) == (64, block_n, min_tiles)
-    assert default_config(ModelSpec(num_heads=16), 2, cuda).block_m == 32  # bf16 keeps its 32-row block
+    h16 = ModelSpec(num_heads=16)
+    # a GPU without the Hopper Gluon kernel: the Triton kernel's blocks
+    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
+    assert default_config(h16, 1, cuda, fp8=True).fp8_grouped
+    h16_sq2 = default_config(h16, 2, cuda, fp8=True)
+    assert not h16_sq2.fp8_grouped and (h16_sq2.block_m, h16_sq2.block_n, h16_sq2.num_stages) == (64, 128, 1)
+    assert ds.fp8_p_via_memory(True, h16_sq2.fp8_grouped, h16_sq2.block_m)  # P through memory
+    h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
+    assert (h128.block_m, h128.block_n, h128.min_tiles_per_part) == (64, 128, 1)
+    assert default_config(h16, 2, cuda).block_m == 32  # bf16 keeps its 32-row block
+    # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, h=16 FP8 and bf16 s_q=2 included
+    # (parts of 4 tiles there, 2 at h=128); bf16 at 16 rows keeps the Triton kernel's block
+    monkeypatch.setattr(dw, "WGMMA_DECODE", True)
+    for heads, s_q, fp8, min_tiles in ((16, 1, True, 4), (16, 2, True, 4), (16, 2, False, 4), (128, 1, True, 2),
+                                       (128, 2, True, 2), (128, 2, False, 2)):
+        cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8)
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (64, 64, 8, min_tiles), cfg
+        assert not cfg.fp8_grouped
+    assert default_config(h16, 1, cuda).block_m == 16
+    # the sparse decode (its own kernel) keeps its blocks
+    assert default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True, sparse=True).block_n == 128
+    assert default_config(h16, 1, cuda, fp8=True, sparse=True).block_m == 16
     assert not default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True).fp8_grouped
     tiny = ModelSpec.tiny(num_heads=8)
     assert not default_config(tiny, 2, torch.device("cpu"), fp8=True).fp8_grouped
@@ -535,6 +548,9 @@ def test_fp8_tma_plan_host_decision(monkeypatch):
     with the switch off, not for 64-row blocks, not for a misaligned or non-contiguous cache;
     off on a CPU tensor unless FP8_TMA_ANY_DEVICE; deep pipelines are cut to the smem budget."""
     import kernels.decode_split as ds
+    import kernels.decode_wgmma as dw
+    # the Triton kernel's defaults (on Hopper, h=16 FP8 runs the Gluon 64-row kernel: no TMA plan)
+    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
     cuda = torch.device("cuda")
     spec = ModelSpec(num_heads=16)
     cache = torch.zeros(3, 64, spec.fp8_bytes_per_token, dtype=torch.uint8)
@@ -784,14 +800,17 @@ def test_decode_fp8_fp16_dots_switch(monkeypatch):
 
 def _load_fp8_bench(monkeypatch):
     """``benchmarks/fp8_decode_bench.py`` as a module (its dry runs set the switches of
-    kernels.decode_split per variant: restored after the test)."""
+    kernels.decode_split per variant, and its import turns the Hopper Gluon kernel off:
+    restored after the test)."""
     import importlib.util
     import os
     import sys
 
     import kernels.decode_split as ds
+    import kernels.decode_wgmma as dw
     for name in ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS", "P_VIA_MEMORY"):
         monkeypatch.setattr(ds, name, getattr(ds, name))
+    monkeypatch.setattr(dw, "WGMMA_DECODE", dw.WGMMA_DECODE)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "fp8_decode_bench.py")
     spec = importlib.util.spec_from_file_location("_fp8_decode_bench", path)

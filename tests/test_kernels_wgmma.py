@@ -47,10 +47,13 @@ def test_wgmma_plan_takes_hopper_64_row_blocks_of_64_keys_only(monkeypatch):
 
 
 def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel():
-    """The shipped 16-bit CUDA config for h=128 is the shape the kernel is written for."""
-    for heads, s_q in ((128, 1), (128, 2), (20, 4)):
-        cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"))
-        q, kv = _tensors()
+    """The shipped CUDA configs of 17+ query rows (and FP8's at 16) are the shape the kernel
+    is written for (on Hopper; a machine without CUDA gets those defaults too)."""
+    for heads, s_q, kv_dtype in ((128, 1, torch.bfloat16), (128, 2, torch.bfloat16), (20, 4, torch.bfloat16),
+                                 (16, 2, torch.bfloat16), (16, 1, torch.uint8), (16, 2, torch.uint8),
+                                 (128, 2, torch.uint8)):
+        cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=kv_dtype == torch.uint8)
+        q, kv = _tensors(kv_dtype=kv_dtype)
         assert dw.wgmma_plan(q, kv, rank=512, rope_dim=64, block_m=cfg.block_m, block_n=cfg.block_n,
                              num_warps=cfg.num_warps, capability=(9, 0)) is None, cfg
 
@@ -72,7 +75,7 @@ def _spy_wgmma(monkeypatch):
 @pytest.mark.parametrize("heads,s_q,page,kv", [(128, 2, 64, "bf16"), (128, 1, 16, "bf16"), (128, 2, 32, "fp16"),
                                                (128, 1, 128, "bf16"), (20, 4, 64, "bf16"), (64, 1, 64, "fp16"),
                                                (128, 2, 64, "fp8"), (128, 1, 16, "fp8"), (16, 2, 64, "fp8"),
-                                               (20, 4, 128, "fp8")])
+                                               (20, 4, 128, "fp8"), (16, 1, 64, "fp8"), (16, 2, 32, "bf16")])
 def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatch):
     """Both 64-row kernels at DeepSeek size (bf16, fp16 and FP8 caches; the CUDA default
     configs): a long request split over many parts, lengths at and around tile and page
@@ -83,7 +86,9 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     calls = _spy_wgmma(monkeypatch)
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
-    assert cfg.block_m == 64
+    # the Triton kernel's own blocks for h=16 (off); 64 rows everywhere else
+    triton_blocks = {(16, 1, "fp8"): 16, (16, 2, "bf16"): 32}
+    assert cfg.block_m == (triton_blocks.get((heads, s_q, kv), 64) if not on else 64)
     seq = [9000, 1, 0, 63, 64, 65, 2000, 128, 129]
     ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype=kv, seed=23, device="cuda")
