@@ -202,13 +202,15 @@ needs the whole 32 x 576 q block as its dot operand, more than its registers hol
 (0.94x at B=128, L=16k, ``h100-2026-11-26-fp8-m64-h16.json``).
 
 Hopper at 64-row blocks. On a GPU of compute capability 9.x, a launch of 64-row blocks of
-64-key tiles (h=128 on a 16-bit cache by default; FP8 64-row blocks take 64-key tiles there
-too) runs the Gluon kernel of ``kernels/decode_wgmma.py`` instead of this one (its
+64-key tiles runs the Gluon kernel of ``kernels/decode_wgmma.py`` instead of this one (its
 ``wgmma_plan`` decides; ``WGMMA_DECODE`` switches it off): it splits both dots over the two
 warpgroups, hands P over through shared memory and keeps the PV dot in flight across the next
-tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc). This kernel still
-serves every other shape, every other GPU and the interpreter, and the notes below on 64-row
-blocks describe it (measured with the Gluon kernel off or before it existed).
+tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc). There the CUDA
+defaults (``config.default_config``) give it h=128 (bf16, fp16, FP8), h=16 FP8 and h=16 bf16
+at s_q=2, padding rows and all. This kernel still serves every other launch (h=16 bf16 at
+s_q=1, fp16 queries on an FP8 cache, configs the Gluon kernel is not written for), every other
+GPU and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at h=16 describe it
+(measured with the Gluon kernel off or before it existed).
 
 Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
 

@@ -4,7 +4,7 @@ The same contract, plan and stores as ``decode_split._decode_split_kernel`` (gri
 ``(num_parts, m_blocks)``, one program per (part, row block); parts from the planner; a
 request that is not split stores ``out``/``lse``, a split one its fp32 partial), for the
 shape where that kernel is bound by its serial wgmma chain: 64 query rows a block (h=128;
-h=16 at s_q=2 on FP8, whose 32 rows are padded to 64). Triton's ``tl.dot`` there computes
+and h=16 with its 16 or 32 rows padded to 64, below). Triton's ``tl.dot`` there computes
 the ``Q K^T`` tile in *both* warpgroups (a dot whose result reaches another dot gets every
 warp along M) and waits for each dot before the next step. Gluon states the layouts, the
 shared buffers and the waits, so here:
@@ -67,8 +67,9 @@ the second needs warp-specialised partitions.
 Taken by ``decode_split.launch_decode_split`` when ``wgmma_plan`` says so (CUDA device of
 compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 + rope 64,
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
-``WGMMA_DECODE`` switch on); ``config.default_config`` picks 64-key tiles for FP8 64-row
-blocks on such a device. Gluon has no interpreter, so the CPU suite runs the Triton kernel
+``WGMMA_DECODE`` switch on); on such a device ``config.default_config`` gives it h=128 (bf16,
+fp16, FP8: 64-key tiles), h=16 FP8 at s_q 1-2 and h=16 bf16 at s_q=2 (16 or 32 query rows in
+a 64-row block, the rest masked padding; parts of four tiles). Gluon has no interpreter, so the CPU suite runs the Triton kernel
 (and checks the choice); the ``gpu`` tests run this one against ``mla_ref``, inside CUDA
 graphs too.
 """
