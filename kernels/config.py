@@ -779,12 +779,15 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
             block_n, min_tiles = 64, 2
     if not sparse and _wgmma_device(device) and rows <= 32 and (fp8 or rows > 16):
         # Hopper, h=16 (FP8 at s_q 1-2, bf16 at s_q=2): the Gluon 64-row kernel too, its
-        # padding rows masked, in parts of four 64-key tiles (parts of two split B=1, L=16k
-        # over 128 pieces and ran 0.86x the Triton kernel). Against the Triton defaults above
-        # over B 1-128, L 1k-16k: bf16 s_q=2 1.02-1.20x, FP8 s_q=1 0.96-1.15x (below 1 only at
-        # B=1, L 1k-4k) (h100-2026-11-26-wgmma-h16.json / -wgmma-h16-mt.json). bf16 at s_q=1
+        # padding rows masked. Against the Triton defaults above over B 1-128, L 1k-16k: bf16
+        # s_q=2 1.02-1.20x and FP8 s_q=1 0.96-1.15x (below 1 only at B=1, L 1k-4k) in parts of
+        # four 64-key tiles -- parts of two split B=1, L=16k over 128 pieces and ran 0.86x
+        # there (h100-2026-11-26-wgmma-h16.json / -wgmma-h16-mt.json); FP8 s_q=2, whose Triton
+        # default is the 64-row block above, 1.05-1.23x in parts of two, which four would slow
+        # at B 1-8, L=1k (0.87-0.90x, h100-2026-11-26-kernel-10-*.json). bf16 at s_q=1
         # (16 rows) keeps its kernel: 0.76-1.07x
-        block_m, block_n, warps, stages, min_tiles = 64, 64, 8, 2, 4
+        block_m, block_n, warps, stages = 64, 64, 8, 2
+        min_tiles = 2 if fp8 and rows > 16 else 4
         grouped = False
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)

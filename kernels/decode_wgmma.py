@@ -69,9 +69,9 @@ compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
 ``WGMMA_DECODE`` switch on); on such a device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles), h=16 FP8 at s_q 1-2 and h=16 bf16 at s_q=2 (16 or 32 query rows in
-a 64-row block, the rest masked padding; parts of four tiles). Gluon has no interpreter, so the CPU suite runs the Triton kernel
-(and checks the choice); the ``gpu`` tests run this one against ``mla_ref``, inside CUDA
-graphs too.
+a 64-row block, the rest masked padding; the part sizes are in that function). Gluon has no
+interpreter, so the CPU suite runs the Triton kernel (and checks the choice); the ``gpu``
+tests run this one against ``mla_ref``, inside CUDA graphs too.
 """
 from __future__ import annotations
 

@@ -397,9 +397,9 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     assert (h128.block_m, h128.block_n, h128.min_tiles_per_part) == (64, 128, 1)
     assert default_config(h16, 2, cuda).block_m == 32  # bf16 keeps its 32-row block
     # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, h=16 FP8 and bf16 s_q=2 included
-    # (parts of 4 tiles there, 2 at h=128); bf16 at 16 rows keeps the Triton kernel's block
+    # (parts of 4 tiles at 16 rows and bf16's 32, else 2); bf16 at 16 rows keeps the Triton block
     monkeypatch.setattr(dw, "WGMMA_DECODE", True)
-    for heads, s_q, fp8, min_tiles in ((16, 1, True, 4), (16, 2, True, 4), (16, 2, False, 4), (128, 1, True, 2),
+    for heads, s_q, fp8, min_tiles in ((16, 1, True, 4), (16, 2, True, 2), (16, 2, False, 4), (128, 1, True, 2),
                                        (128, 2, True, 2), (128, 2, False, 2)):
         cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8)
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (64, 64, 8, min_tiles), cfg
