@@ -723,8 +723,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     rows included (its padding rows masked; ``h100-2026-11-26-fp8-m64-h16.json``); 64-row
     blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key
     tiles with P through memory (``decode_split.fp8_p_via_memory``) -- except on Hopper, where
-    64-row blocks of 64-key tiles (bf16's default, and FP8's there) run the Gluon kernel
-    ``kernels/decode_wgmma.py``; the combine splits the latent columns in 128s.
+    64-row blocks of 64-key tiles run the Gluon kernel ``kernels/decode_wgmma.py``, which there
+    also takes h=16 FP8 and h=16 bf16 at s_q=2 (their rows padded to 64; not the sparse
+    decode); the combine splits the latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and

@@ -208,9 +208,9 @@ warpgroups, hands P over through shared memory and keeps the PV dot in flight ac
 tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc). There the CUDA
 defaults (``config.default_config``) give it h=128 (bf16, fp16, FP8), h=16 FP8 and h=16 bf16
 at s_q=2, padding rows and all. This kernel still serves every other launch (h=16 bf16 at
-s_q=1, fp16 queries on an FP8 cache, configs the Gluon kernel is not written for), every other
-GPU and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at h=16 describe it
-(measured with the Gluon kernel off or before it existed).
+s_q=1, fp16 queries on an FP8 cache, configs the Gluon kernel is not written for), every
+other GPU and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at
+h=16 describe it (measured with the Gluon kernel off or before it existed).
 
 Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
 

@@ -103,6 +103,11 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
     """None when this kernel can run the launch, else the reason it cannot (host-side,
     static: a captured graph's kernel choice depends only on capture-time facts).
 
+    q ``[B, s_q, h, rank + rope]`` (bf16 / fp16 take it); kv_cache ``[num_blocks, page,
+    rank + rope]`` of q's dtype, or uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``
+    FP8 tokens (codes, fp32 scales, bf16 rope) with bf16 q. Only dtypes, the last dim and the
+    device are read.
+
     ``capability``: the device's compute capability; None reads it from ``q``'s device (and
     a CPU tensor cannot take the kernel). Passing it lets tests ask what a device would get.
     """
