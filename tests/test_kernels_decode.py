@@ -399,6 +399,7 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, h=16 FP8 and bf16 s_q=2 included
     # (parts of 4 tiles at 16 rows and bf16's 32, else 2); bf16 at 16 rows keeps the Triton block
     monkeypatch.setattr(dw, "WGMMA_DECODE", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for heads, s_q, fp8, min_tiles in ((16, 1, True, 4), (16, 2, True, 2), (16, 2, False, 4), (128, 1, True, 2),
                                        (128, 2, True, 2), (128, 2, False, 2)):
         cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8)
