@@ -54,7 +54,10 @@ did not pay for the serial group dots and the tile copy it exposes. Looking the 
 pages up in the block table a tile ahead of its copies: level (0.97-1.04x); bf16 parts of
 one tile instead of two: 0.80-1.04x (``h100-2026-11-26-wgmma-pages-ahead.json``). Issuing a
 tile's QK before waiting for the previous PV (and the next tile's copies after that wait):
-0.88-0.98x (``h100-2026-11-26-wgmma-early-qk.json``).
+0.88-0.98x (``h100-2026-11-26-wgmma-early-qk.json``). FP8 with the codes and scales of the
+next tile loaded into registers a tile ahead and dequantised into a second K tile while the PV
+dot runs (so two K tiles fit, no staging): correct, but 744 bytes of spilled registers a
+thread and 1.75-4.2x slower (``h100-2026-11-26-wgmma-fp8-reg-prefetch.json``).
 
 What bounds it now (H100, bf16, h=128, s_q=2, B=128, L=16k: about 5400 cycles a 64-key tile
 against 2200 of tensor-core work): every step of a tile waits for the one before -- PV,
