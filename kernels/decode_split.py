@@ -275,8 +275,13 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .decode_wgmma import launch_decode_wgmma, wgmma_plan
+from .decode_wgmma import launch_decode_wgmma, mark_unavailable, wgmma_plan
 from .rounding import to_out
+
+try:  # Triton's compile / resource errors (a Gluon kernel that fails to build, below)
+    from triton.errors import TritonError
+except ImportError:  # pragma: no cover - an older Triton, without Gluon either: nothing to catch
+    TritonError = ()
 
 try:  # host-side TMA descriptors (Triton >= 3.3; the same class in 3.6 and 3.9)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -923,12 +928,17 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     fp8 = kv_cache.dtype == torch.uint8
     if not dot_f32 and wgmma_plan(q, kv_cache, rank=rank, rope_dim=rope_dim, block_m=block_m, block_n=block_n,
                                   num_warps=num_warps, fp8_group=fp8_group) is None:
-        # Hopper, 64-row blocks of 64-key tiles: the Gluon kernel (kernels/decode_wgmma.py)
-        launch_decode_wgmma(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                            split_offsets, out, lse, partial_o, partial_lse,
-                            softmax_scale_log2=float(softmax_scale) * _LOG2E, rank=rank, rope_dim=rope_dim,
-                            fp8_group=fp8_group, block_m=block_m, block_n=block_n)
-        return
+        # Hopper, 64-row blocks of 64-key tiles: the Gluon kernel (kernels/decode_wgmma.py). A
+        # build failure (compile or resources: raised before anything is launched) sends this
+        # and every later launch to this kernel, with a warning
+        try:
+            launch_decode_wgmma(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info,
+                                num_splits, split_offsets, out, lse, partial_o, partial_lse,
+                                softmax_scale_log2=float(softmax_scale) * _LOG2E, rank=rank, rope_dim=rope_dim,
+                                fp8_group=fp8_group, block_m=block_m, block_n=block_n)
+            return
+        except TritonError as e:
+            mark_unavailable(e)
     grouped = fp8 and bool(fp8_grouped) and fp8_grouped_dots(rank, fp8_group, block_m)
     tma = fp8_tma_plan(kv_cache, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m,
                        block_n=block_n, num_stages=num_stages) if fp8 else None

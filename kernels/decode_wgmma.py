@@ -72,12 +72,16 @@ compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
 ``WGMMA_DECODE`` switch on); on such a device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles), h=16 FP8 at s_q 1-2 and h=16 bf16 at s_q=2 (16 or 32 query rows in
-a 64-row block, the rest masked padding; the part sizes are in that function). Gluon has no
-interpreter, so the CPU suite runs the Triton kernel (and checks the choice); the ``gpu``
-tests run this one against ``mla_ref``, inside CUDA graphs too.
+a 64-row block, the rest masked padding; the part sizes are in that function). It is
+written against Triton 3.6's Gluon, an experimental API: if it fails to build with the
+installed Triton (a compile or resource error, raised before anything is launched), the
+first launch warns and it and every later one take the Triton kernel (``mark_unavailable``).
+Gluon has no interpreter, so the CPU suite runs the Triton kernel (and checks the choice);
+the ``gpu`` tests run this one against ``mla_ref``, inside CUDA graphs too.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -91,11 +95,15 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-__all__ = ["WGMMA_DECODE", "wgmma_plan", "launch_decode_wgmma"]
+__all__ = ["WGMMA_DECODE", "wgmma_plan", "launch_decode_wgmma", "mark_unavailable"]
 
 #: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
 #: tests turn it off to time / check the Triton kernel on the same GPU).
 WGMMA_DECODE = True
+#: Why this kernel cannot be built in this process (None: it can, as far as is known). Set
+#: by ``mark_unavailable`` when the first build fails -- a Triton whose Gluon differs from the
+#: one the kernel is written for (3.6) -- so that every later launch takes the Triton kernel.
+UNAVAILABLE: Optional[str] = None
 #: The FP8 scale group the dequantisation is written for (a warp converts 4 rows x 128 codes
 #: per step, one group's worth of a key; DeepSeek's 128).
 FP8_GROUP = 128
@@ -118,6 +126,8 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
         return "this Triton has no Gluon"
     if not WGMMA_DECODE:
         return "WGMMA_DECODE is off"
+    if UNAVAILABLE is not None:
+        return f"the Gluon kernel failed to build in this process: {UNAVAILABLE}"
     if capability is None:
         if q.device.type != "cuda":
             return "not a CUDA tensor"
@@ -373,6 +383,16 @@ if gluon is not None:
                     p64 = p_row.to(gl.int64)
                     gl.store(po_ptr + p64 * (ROWS * RANK) + m_rows, o, mask=ok_a)
                     gl.store(plse_ptr + p64 * ROWS + m_s, lse2, mask=row_ok_s)
+
+
+def mark_unavailable(error: BaseException) -> None:
+    """Record that the kernel failed to build (``error``: Triton's compile or resource error)
+    and warn once; ``wgmma_plan`` then sends every launch to the Triton kernel."""
+    global UNAVAILABLE
+    if UNAVAILABLE is None:
+        UNAVAILABLE = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        warnings.warn(f"kernels.decode_wgmma: the Hopper Gluon decode did not build with this Triton "
+                      f"({UNAVAILABLE}); using the Triton decode kernel instead", RuntimeWarning, stacklevel=3)
 
 
 def launch_decode_wgmma(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,

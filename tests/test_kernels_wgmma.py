@@ -46,6 +46,23 @@ def test_wgmma_plan_takes_hopper_64_row_blocks_of_64_keys_only(monkeypatch):
     assert "WGMMA_DECODE is off" in dw.wgmma_plan(q, kv, capability=(9, 0), **_KW)
 
 
+def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
+    """A Gluon that cannot build the kernel (another Triton) is reported once and then every
+    plan names the failure, so the Triton kernel runs."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(dw, "UNAVAILABLE", None)
+    q, kv = _tensors()
+    with pytest.warns(RuntimeWarning, match="did not build"):
+        dw.mark_unavailable(OutOfResources(300000, 232448, "shared memory"))
+    assert "failed to build" in dw.wgmma_plan(q, kv, capability=(9, 0), **_KW)
+    assert "OutOfResources" in dw.UNAVAILABLE
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dw.mark_unavailable(OutOfResources(1, 0, "again"))  # no second warning
+    assert "shared memory" in dw.UNAVAILABLE
+
+
 def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
     """The shipped CUDA configs of 17+ query rows (and FP8's at 16) are the shape the kernel
     is written for, on a Hopper device (whatever GPU, if any, runs the test)."""
@@ -99,3 +116,32 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert len(calls) == (1 if on and hopper else 0)
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
+@pytest.mark.gpu
+def test_decode_wgmma_build_failure_falls_back_gpu(monkeypatch):
+    """The Gluon kernel failing to build (here: a resource error raised by its launch) gives a
+    warning and the Triton kernel's result, for this launch and the next."""
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(dw, "UNAVAILABLE", None)
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                raise OutOfResources(300000, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(dw, "_decode_wgmma_kernel", Unbuildable())
+    spec = ModelSpec(num_heads=128)
+    case = make_case(spec, seq_lens=[700, 0, 65], q_lens=[2, 0, 1], s_q=2, page_size=64, kv_dtype="bf16", seed=3,
+                     device="cuda")
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    with pytest.warns(RuntimeWarning, match="did not build"):
+        out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                      q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what="fallback")
+    assert "OutOfResources" in dw.UNAVAILABLE
+    out2, lse2 = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                    q_lens=case.q_lens)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
