@@ -57,7 +57,10 @@ tile's QK before waiting for the previous PV (and the next tile's copies after t
 0.88-0.98x (``h100-2026-11-26-wgmma-early-qk.json``). FP8 with the codes and scales of the
 next tile loaded into registers a tile ahead and dequantised into a second K tile while the PV
 dot runs (so two K tiles fit, no staging): correct, but 744 bytes of spilled registers a
-thread and 1.75-4.2x slower (``h100-2026-11-26-wgmma-fp8-reg-prefetch.json``).
+thread and 1.75-4.2x slower (``h100-2026-11-26-wgmma-fp8-reg-prefetch.json``). FP8 at 32-key
+tiles, where two dequantised K tiles fit (the next one dequantised while the PV dot runs):
+correct, but 0.78-0.95x (``h100-2026-11-26-wgmma-fp8-two-k-tiles.json``) -- the halved
+score tiles (16 keys a warpgroup) cost more than the overlap saves.
 
 What bounds it now (H100, bf16, h=128, s_q=2, B=128, L=16k: about 5400 cycles a 64-key tile
 against 2200 of tensor-core work): every step of a tile waits for the one before -- PV,
