@@ -681,6 +681,14 @@ def _wgmma_device(device: torch.device) -> bool:
         return True
 
 
+def _keys_device() -> bool:
+    """Whether FP8 blocks of up to 32 query rows take the keys-on-M Gluon kernel
+    (``kernels/decode_wgmma_keys.py``) on a device ``_wgmma_device`` accepts: its switch
+    ``decode_wgmma.WGMMA_KEYS``."""
+    from . import decode_wgmma
+    return bool(decode_wgmma.WGMMA_KEYS)
+
+
 def _sm_count(device: torch.device) -> int:
     try:
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -724,8 +732,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key
     tiles with P through memory (``decode_split.fp8_p_via_memory``) -- except on Hopper, where
     64-row blocks of 64-key tiles run the Gluon kernel ``kernels/decode_wgmma.py``, which there
-    also takes h=16 FP8 and h=16 bf16 at s_q=2 (their rows padded to 64; not the sparse
-    decode); the combine splits the latent columns in 128s.
+    also takes h=16 bf16 at s_q=2 (its rows padded to 64; not the sparse decode), and h=16 FP8
+    takes the few-row Gluon kernel ``kernels/decode_wgmma_keys.py`` (16/32-row blocks of
+    128-key tiles); the combine splits the latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -790,6 +799,14 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         block_m, block_n, warps, stages = 64, 64, 8, 2
         min_tiles = 2 if fp8 and rows > 16 else 4
         grouped = False
+        if fp8 and _keys_device():
+            # FP8: the keys-on-M Gluon kernel (kernels/decode_wgmma_keys.py; 128-key tiles, the
+            # query rows as the dots' N) against the 64-row one above, over B 1-128, L 1k-16k:
+            # s_q=1 0.98-1.49x in parts of two tiles (parts of one: B=1, L=16k over 128 pieces,
+            # 0.86x), s_q=2 0.99-1.27x in parts of one (two: B 1-8, L=1k, 0.87x)
+            # (h100-2026-11-26-wgmma-keys-ab.json, 'v5' / 'v1')
+            block_m, block_n, warps, stages = (16 if rows <= 16 else 32), 128, 8, 1
+            min_tiles = 2 if rows <= 16 else 1
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x

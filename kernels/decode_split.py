@@ -206,11 +206,13 @@ Hopper at 64-row blocks. On a GPU of compute capability 9.x, a launch of 64-row 
 ``wgmma_plan`` decides; ``WGMMA_DECODE`` switches it off): it splits both dots over the two
 warpgroups, hands P over through shared memory and keeps the PV dot in flight across the next
 tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc). There the CUDA
-defaults (``config.default_config``) give it h=128 (bf16, fp16, FP8), h=16 FP8 and h=16 bf16
-at s_q=2, padding rows and all. This kernel still serves every other launch (h=16 bf16 at
-s_q=1, fp16 queries on an FP8 cache, configs the Gluon kernel is not written for), every
-other GPU and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at
-h=16 describe it (measured with the Gluon kernel off or before it existed).
+defaults (``config.default_config``) give it h=128 (bf16, fp16, FP8) and h=16 bf16 at s_q=2,
+padding rows and all; h=16 FP8 (16-32 rows, bf16 queries) takes the few-row Gluon kernel of
+``kernels/decode_wgmma_keys.py`` (16/32-row blocks of 128-key tiles; the same plan, keys on
+the wgmma M axis). This kernel still serves every other launch (h=16 bf16 at s_q=1, fp16
+queries on an FP8 cache, configs the Gluon kernels are not written for), every other GPU
+and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at h=16
+describe it (measured with the Gluon kernels off or before they existed).
 
 Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
 
@@ -228,9 +230,11 @@ Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here)
   program per SM, so a program loads, then computes. Long requests still reach 88-97% of
   copy bandwidth (programs drift out of step and share the memory system); short batches
   run in lock step.
-- Swapping the dots (``K @ q^T``, so the key tile is the wgmma M) was tried and was no
-  faster (0.85-1.02x bf16, 0.2-0.87x FP8; still 255 registers a thread;
-  ``benchmarks/results/h100-2026-11-26-swap-dots.json``).
+- Swapping the dots (``K @ q^T``, so the key tile is the wgmma M) was tried in this kernel
+  and was no faster (0.85-1.02x bf16, 0.2-0.87x FP8; still 255 registers a thread;
+  ``benchmarks/results/h100-2026-11-26-swap-dots.json``). Written in Gluon, with the layouts,
+  the conversion and the loads stated, the same idea is the FP8 few-row kernel
+  (``kernels/decode_wgmma_keys.py``: 1.27-1.49x at B=128 over the 64-row Gluon kernel).
 - FP8 twin loads with the V copy converted by a non-pure inline-asm ``cvt.rn.f16x2.e4m3x2``
   in the load layout (so fp16, not bytes, goes through shared memory to the PV dot's
   operand layout; Triton otherwise gathers the codes byte by byte in that layout): level,
@@ -276,6 +280,7 @@ import triton.language as tl
 
 from .config import interpreting
 from .decode_wgmma import launch_decode_wgmma, mark_unavailable, wgmma_plan
+from .decode_wgmma_keys import launch_decode_wgmma_keys
 from .rounding import to_out
 
 try:  # Triton's compile / resource errors (a Gluon kernel that fails to build, below)
@@ -932,10 +937,10 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         # build failure (compile or resources: raised before anything is launched) sends this
         # and every later launch to this kernel, with a warning
         try:
-            launch_decode_wgmma(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info,
-                                num_splits, split_offsets, out, lse, partial_o, partial_lse,
-                                softmax_scale_log2=float(softmax_scale) * _LOG2E, rank=rank, rope_dim=rope_dim,
-                                fp8_group=fp8_group, block_m=block_m, block_n=block_n)
+            launch = launch_decode_wgmma if block_m == 64 else launch_decode_wgmma_keys
+            launch(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
+                   split_offsets, out, lse, partial_o, partial_lse, softmax_scale_log2=float(softmax_scale) * _LOG2E,
+                   rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n)
             return
         except TritonError as e:
             mark_unavailable(e)

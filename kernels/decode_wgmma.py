@@ -74,8 +74,10 @@ Taken by ``decode_split.launch_decode_split`` when ``wgmma_plan`` says so (CUDA 
 compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 + rope 64,
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
 ``WGMMA_DECODE`` switch on); on such a device ``config.default_config`` gives it h=128 (bf16,
-fp16, FP8: 64-key tiles), h=16 FP8 at s_q 1-2 and h=16 bf16 at s_q=2 (16 or 32 query rows in
-a 64-row block, the rest masked padding; the part sizes are in that function). It is
+fp16, FP8: 64-key tiles) and h=16 bf16 at s_q=2 (32 query rows in a 64-row block, the rest
+masked padding; the part sizes are in that function). h=16 FP8 (s_q 1-2) takes the few-row
+kernel of ``kernels/decode_wgmma_keys.py`` instead, which ``wgmma_plan`` admits too (this
+kernel ran it before, padded to 64 rows, and still does with ``WGMMA_KEYS`` off). It is
 written against Triton 3.6's Gluon, an experimental API: if it fails to build with the
 installed Triton (a compile or resource error, raised before anything is launched), the
 first launch warns and it and every later one take the Triton kernel (``mark_unavailable``).
@@ -98,11 +100,17 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-__all__ = ["WGMMA_DECODE", "wgmma_plan", "launch_decode_wgmma", "mark_unavailable"]
+from .decode_wgmma_keys import KEYS_BLOCK_N
+
+__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "wgmma_plan", "launch_decode_wgmma", "mark_unavailable"]
 
 #: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
 #: tests turn it off to time / check the Triton kernel on the same GPU).
 WGMMA_DECODE = True
+#: Take the few-row FP8 kernel (``decode_wgmma_keys``) for 16/32-row blocks of 128-key
+#: tiles (a switch like ``WGMMA_DECODE``, which also turns it off; ``config.default_config``
+#: gives those blocks only while it is on).
+WGMMA_KEYS = True
 #: Why this kernel cannot be built in this process (None: it can, as far as is known). Set
 #: by ``mark_unavailable`` when the first build fails -- a Triton whose Gluon differs from the
 #: one the kernel is written for (3.6) -- so that every later launch takes the Triton kernel.
@@ -114,8 +122,11 @@ FP8_GROUP = 128
 
 def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: int, block_m: int, block_n: int,
                num_warps: int, fp8_group: int = 128, capability: Optional[tuple] = None) -> Optional[str]:
-    """None when this kernel can run the launch, else the reason it cannot (host-side,
-    static: a captured graph's kernel choice depends only on capture-time facts).
+    """None when a Gluon kernel can run the launch, else the reason none can (host-side,
+    static: a captured graph's kernel choice depends only on capture-time facts). Two shapes
+    are taken: 64-row blocks of 64-key tiles (this module's kernel; 16-bit or FP8 caches),
+    and 16- or 32-row blocks of 128-key tiles holding all ``s_q * h`` query rows (FP8 only:
+    ``decode_wgmma_keys``, switch ``WGMMA_KEYS``); both with 8 warps.
 
     q ``[B, s_q, h, rank + rope]`` (bf16 / fp16 take it); kv_cache ``[num_blocks, page,
     rank + rope]`` of q's dtype, or uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``
@@ -150,9 +161,20 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
         return "not a 16-bit or FP8 cache with q of the cache's dtype"
     if (rank, rope_dim) != (512, 64):
         return f"rank {rank} + rope {rope_dim} (the shared-memory budget is sized for 512 + 64)"
-    if (block_m, block_n, num_warps) != (64, 64, 8):
-        return f"block {block_m}x{block_n} with {num_warps} warps (this kernel is 64x64, 8 warps)"
-    return None
+    if (block_m, block_n, num_warps) == (64, 64, 8):
+        return None
+    if block_n == KEYS_BLOCK_N and block_m in (16, 32) and num_warps == 8:
+        # the few-row FP8 kernel, keys on the wgmma M axis (kernels/decode_wgmma_keys.py)
+        if not WGMMA_KEYS:
+            return "WGMMA_KEYS is off"
+        if kv_cache.dtype != torch.uint8:
+            return f"block {block_m}x{block_n}: the keys-on-M kernel takes FP8 caches only"
+        if q.shape[1] * q.shape[2] > block_m:
+            return (f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the keys-on-M kernel "
+                    f"takes one block)")
+        return None
+    return (f"block {block_m}x{block_n} with {num_warps} warps (these kernels are 64x64, or 16/32 rows x "
+            f"{KEYS_BLOCK_N} keys for FP8, 8 warps)")
 
 
 if gluon is not None:

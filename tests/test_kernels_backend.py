@@ -202,19 +202,21 @@ def test_layer_matches_reference_gpu(kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("heads,next_n", [(16, 1), (16, 2), (128, 2)])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_cuda_graph_replay_follows_new_builds(kv, heads):
+def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n):
     """Capture forward once; replays after new builds must equal eager forwards bitwise
-    (h=128 at bf16: the Hopper Gluon kernel, kernels/decode_wgmma.py)."""
+    (on Hopper: h=128 and bf16 h=16 x 2 run the Gluon 64-row kernel, kernels/decode_wgmma.py;
+    FP8 h=16 the keys-on-M one, kernels/decode_wgmma_keys.py, at 16 and 32 rows)."""
     spec = ModelSpec(num_heads=heads)
-    be = make_backend(spec, device="cuda", max_blocks_per_seq=64)
-    cases = [make_case(spec, seq_lens=s, q_lens=q, s_q=2, page_size=64, kv_dtype=kv, seed=i, device="cuda")
+    be = make_backend(spec, device="cuda", max_blocks_per_seq=64, next_n_max=next_n)
+    cases = [make_case(spec, seq_lens=s, q_lens=[min(x, next_n) for x in q], s_q=next_n, page_size=64, kv_dtype=kv,
+                       seed=i, device="cuda")
              for i, (s, q) in enumerate([([100, 5, 3000], [2, 1, 2]), ([2500, 0, 9, 64], [1, 0, 2, 2]),
                                          ([1, 1800], [1, 2])])]
     pad = 4
     # one cache holding every case: copy each case's pages in before its step
-    md = be.build(batch_of(cases[0], next_n=2, pad_to=pad, kv_dtype=kv))
+    md = be.build(batch_of(cases[0], next_n=next_n, pad_to=pad, kv_dtype=kv))
     q_buf = padded_q(cases[0], pad)
     cache_buf = torch.zeros(max(c.kv_cache.shape[0] for c in cases), *cases[0].kv_cache.shape[1:],
                             dtype=cases[0].kv_cache.dtype, device="cuda")
@@ -228,7 +230,7 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads):
     with torch.cuda.graph(graph):
         g_out, g_lse = be.forward(q_buf, cache_buf, md)
     for case in cases[1:] + cases[:1]:
-        md = be.build(batch_of(case, next_n=2, pad_to=pad, kv_dtype=kv))
+        md = be.build(batch_of(case, next_n=next_n, pad_to=pad, kv_dtype=kv))
         q_buf.copy_(padded_q(case, pad))
         cache_buf[:case.kv_cache.shape[0]] = case.kv_cache
         graph.replay()

@@ -396,15 +396,23 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
     assert (h128.block_m, h128.block_n, h128.min_tiles_per_part) == (64, 128, 1)
     assert default_config(h16, 2, cuda).block_m == 32  # bf16 keeps its 32-row block
-    # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, h=16 FP8 and bf16 s_q=2 included
-    # (parts of 4 tiles at 16 rows and bf16's 32, else 2); bf16 at 16 rows keeps the Triton block
+    # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, bf16 s_q=2 included (parts of
+    # 4 tiles at bf16's 32 rows, else 2); bf16 at 16 rows keeps the Triton block; FP8 h=16 the
+    # keys-on-M Gluon kernel's 16/32-row blocks of 128 keys (parts of 2 and 1 tiles) -- or, with
+    # that kernel off, the 64-row ones (parts of 4 and 2)
     monkeypatch.setattr(dw, "WGMMA_DECODE", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    for heads, s_q, fp8, min_tiles in ((16, 1, True, 4), (16, 2, True, 2), (16, 2, False, 4), (128, 1, True, 2),
-                                       (128, 2, True, 2), (128, 2, False, 2)):
+    for heads, s_q, fp8, block, min_tiles in ((16, 1, True, (16, 128), 2), (16, 2, True, (32, 128), 1),
+                                              (16, 2, False, (64, 64), 4), (128, 1, True, (64, 64), 2),
+                                              (128, 2, True, (64, 64), 2), (128, 2, False, (64, 64), 2)):
         cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8)
-        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (64, 64, 8, min_tiles), cfg
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (*block, 8, min_tiles), cfg
         assert not cfg.fp8_grouped
+    monkeypatch.setattr(dw, "WGMMA_KEYS", False)
+    for s_q, min_tiles in ((1, 4), (2, 2)):
+        cfg = default_config(h16, s_q, cuda, fp8=True)
+        assert (cfg.block_m, cfg.block_n, cfg.min_tiles_per_part) == (64, 64, min_tiles), cfg
+    monkeypatch.setattr(dw, "WGMMA_KEYS", True)
     assert default_config(h16, 1, cuda).block_m == 16
     # the sparse decode (its own kernel) keeps its blocks
     assert default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True, sparse=True).block_n == 128

@@ -1,5 +1,6 @@
-"""The Hopper Gluon decode (kernels/decode_wgmma.py): when it is taken, and its results
-against mla_ref on the GPU (it has no interpreter, so the CPU suite checks only the choice)."""
+"""The Hopper Gluon decodes (kernels/decode_wgmma.py, 64-row blocks; kernels/decode_wgmma_keys.py,
+FP8 at up to 32 rows): when they are taken, and their results against mla_ref on the GPU
+(Gluon has no interpreter, so the CPU suite checks only the choice)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,10 @@ from kernels import default_config
 from kernels_cases import TOL_GPU, assert_decode_close, make_case
 
 _KW = dict(rank=512, rope_dim=64, block_m=64, block_n=64, num_warps=8)
+
+
+def _q(heads, s_q, dtype=torch.bfloat16):
+    return torch.empty(1, s_q, heads, 576, dtype=dtype)
 
 
 def _tensors(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16):
@@ -46,6 +51,32 @@ def test_wgmma_plan_takes_hopper_64_row_blocks_of_64_keys_only(monkeypatch):
     assert "WGMMA_DECODE is off" in dw.wgmma_plan(q, kv, capability=(9, 0), **_KW)
 
 
+def test_wgmma_plan_takes_fp8_few_row_blocks_of_128_keys(monkeypatch):
+    """The keys-on-M kernel's shape: an FP8 cache with bf16 queries, every query row of a
+    request in one 16- or 32-row block, 128-key tiles, 8 warps, on Hopper."""
+    kw = dict(rank=512, rope_dim=64, block_n=128, num_warps=8, capability=(9, 0))
+    fkv = torch.empty(4, 64, 656, dtype=torch.uint8)
+    assert dw.wgmma_plan(_q(16, 1), fkv, block_m=16, **kw) is None
+    assert dw.wgmma_plan(_q(16, 2), fkv, block_m=32, **kw) is None
+    assert dw.wgmma_plan(_q(20, 1), fkv, block_m=32, **kw) is None
+    assert dw.wgmma_plan(_q(8, 1), fkv, block_m=16, **kw) is None
+    assert "32 query rows in a 16-row block" in dw.wgmma_plan(_q(16, 2), fkv, block_m=16, **kw)
+    assert "FP8 caches only" in dw.wgmma_plan(_q(16, 1), torch.empty(4, 64, 576, dtype=torch.bfloat16),
+                                              block_m=16, **kw)
+    assert "queries" in dw.wgmma_plan(_q(16, 1, torch.float16), fkv, block_m=16, **kw)
+    assert "scale group" in dw.wgmma_plan(_q(16, 1), fkv, block_m=16, fp8_group=64, **kw)
+    for bad in (dict(block_m=8), dict(block_m=64), dict(num_warps=4), dict(block_n=64)):
+        assert "block" in dw.wgmma_plan(_q(16, 1), fkv, **dict(dict(kw, block_m=16), **bad)), bad
+    assert "not Hopper" in dw.wgmma_plan(_q(16, 1), fkv, block_m=16, **dict(kw, capability=(8, 9)))
+    monkeypatch.setattr(dw, "WGMMA_KEYS", False)
+    assert "WGMMA_KEYS is off" in dw.wgmma_plan(_q(16, 1), fkv, block_m=16, **kw)
+    # the 64-row kernel does not depend on that switch
+    assert dw.wgmma_plan(_q(16, 1), fkv, block_m=64, **dict(kw, block_n=64)) is None
+    monkeypatch.setattr(dw, "WGMMA_KEYS", True)
+    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
+    assert "WGMMA_DECODE is off" in dw.wgmma_plan(_q(16, 1), fkv, block_m=16, **kw)
+
+
 def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
     """A Gluon that cannot build the kernel (another Triton) is reported once and then every
     plan names the failure, so the Triton kernel runs."""
@@ -64,27 +95,35 @@ def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
 
 
 def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
-    """The shipped CUDA configs of 17+ query rows (and FP8's at 16) are the shape the kernel
-    is written for, on a Hopper device (whatever GPU, if any, runs the test)."""
+    """The shipped CUDA configs of 17+ query rows (and FP8's at 16) are the shapes the Gluon
+    kernels are written for, on a Hopper device (whatever GPU, if any, runs the test): FP8
+    at up to 32 rows the keys-on-M kernel's 16/32-row blocks of 128 keys, else 64 x 64 --
+    and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the 64-row blocks."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    for heads, s_q, kv_dtype in ((128, 1, torch.bfloat16), (128, 2, torch.bfloat16), (20, 4, torch.bfloat16),
-                                 (16, 2, torch.bfloat16), (16, 1, torch.uint8), (16, 2, torch.uint8),
-                                 (128, 2, torch.uint8)):
-        cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=kv_dtype == torch.uint8)
-        q, kv = _tensors(kv_dtype=kv_dtype)
-        assert dw.wgmma_plan(q, kv, rank=512, rope_dim=64, block_m=cfg.block_m, block_n=cfg.block_n,
-                             num_warps=cfg.num_warps, capability=(9, 0)) is None, cfg
+    cases = ((128, 1, torch.bfloat16), (128, 2, torch.bfloat16), (20, 4, torch.bfloat16), (16, 2, torch.bfloat16),
+             (16, 1, torch.uint8), (16, 2, torch.uint8), (20, 1, torch.uint8), (128, 2, torch.uint8))
+    for keys in (True, False):
+        monkeypatch.setattr(dw, "WGMMA_KEYS", keys)
+        for heads, s_q, kv_dtype in cases:
+            fp8 = kv_dtype == torch.uint8
+            cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=fp8)
+            few = keys and fp8 and heads * s_q <= 32
+            assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (
+                ((16 if heads * s_q <= 16 else 32), 128, 8) if few else (64, 64, 8)), (keys, heads, s_q, cfg)
+            _, kv = _tensors(kv_dtype=kv_dtype)
+            assert dw.wgmma_plan(_q(heads, s_q), kv, rank=512, rope_dim=64, block_m=cfg.block_m,
+                                 block_n=cfg.block_n, num_warps=cfg.num_warps, capability=(9, 0)) is None, cfg
 
 
-def _spy_wgmma(monkeypatch):
+def _spy_wgmma(monkeypatch, name="launch_decode_wgmma"):
     calls = []
-    real = ds.launch_decode_wgmma
+    real = getattr(ds, name)
 
     def spy(*args, **kw):
         calls.append(kw)
         return real(*args, **kw)
 
-    monkeypatch.setattr(ds, "launch_decode_wgmma", spy)
+    monkeypatch.setattr(ds, name, spy)
     return calls
 
 
@@ -95,18 +134,22 @@ def _spy_wgmma(monkeypatch):
                                                (128, 2, 64, "fp8"), (128, 1, 16, "fp8"), (16, 2, 64, "fp8"),
                                                (20, 4, 128, "fp8"), (16, 1, 64, "fp8"), (16, 2, 32, "bf16")])
 def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatch):
-    """Both 64-row kernels at DeepSeek size (bf16, fp16 and FP8 caches; the CUDA default
-    configs): a long request split over many parts, lengths at and around tile and page
-    boundaries, empty requests, NaN in every stale slot and padding query row; h=20 x 4
-    tokens leaves padding rows in the last block, h=16 x 2 (FP8) half a block of them. The
-    switch decides which kernel runs (on a Hopper GPU the Gluon one is the default)."""
+    """The Gluon kernels and the Triton one at DeepSeek size (bf16, fp16 and FP8 caches; the
+    CUDA default configs): a long request split over many parts, lengths at and around tile
+    and page boundaries, empty requests, NaN in every stale slot and padding query row; h=20
+    x 4 tokens leaves padding rows in the last block. The switch decides which kernel runs
+    (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the keys-on-M kernel, the
+    rest the 64-row one)."""
     monkeypatch.setattr(dw, "WGMMA_DECODE", on)
     calls = _spy_wgmma(monkeypatch)
+    keys_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
-    # the Triton kernel's own blocks for h=16 (off); 64 rows everywhere else
+    few = kv == "fp8" and heads * s_q <= 32
+    # off: the Triton kernel's own blocks for h=16, 64 rows elsewhere; on: 16/32 rows for FP8 h=16
     triton_blocks = {(16, 1, "fp8"): 16, (16, 2, "bf16"): 32}
-    assert cfg.block_m == (triton_blocks.get((heads, s_q, kv), 64) if not on else 64)
+    gluon_block = (16 if heads * s_q <= 16 else 32) if few else 64
+    assert cfg.block_m == (triton_blocks.get((heads, s_q, kv), 64) if not on else gluon_block)
     seq = [9000, 1, 0, 63, 64, 65, 2000, 128, 129]
     ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype=kv, seed=23, device="cuda")
@@ -115,7 +158,46 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
-    assert len(calls) == (1 if on and hopper else 0)
+    assert (len(calls), len(keys_calls)) == ((0, 1) if few else (1, 0)) if on and hopper else (0, 0)
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,s_q,page", [(16, 1, 64), (16, 1, 16), (16, 1, 128), (8, 1, 32), (16, 2, 64),
+                                            (16, 2, 128), (20, 1, 32), (8, 4, 64)])
+@pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
+@pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
+def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts, monkeypatch):
+    """The keys-on-M FP8 kernel (kernels/decode_wgmma_keys.py) against mla_ref at DeepSeek
+    size, both its paths: up to 16 query rows the grouped one (fp16 codes, scales on the dot
+    results, q scaled per row by a power of two), 17-32 rows the dequantising one (h=20: 12
+    padding rows in the 32-row block). Lengths around its 128-key tiles and the pages, a
+    9000-key request split over many parts, empty requests, NaN in every stale slot and
+    padding query token. ``big_q``: q times 2**17 (past fp16's range, which the grouped path
+    must undo with its per-row power of two) and the softmax scale times 2**-17, so the
+    logits, and the expected result, are those of the unscaled q (powers of two: exact).
+    ``parts``: the default plan (132 parts: at most a tile or two each here), or 3 parts of
+    many tiles and several requests each (the online softmax's rescaling across tiles)."""
+    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
+    spec = ModelSpec(num_heads=heads)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if hopper:
+        assert (cfg.block_m, cfg.block_n) == ((16 if heads * s_q <= 16 else 32), 128), cfg
+    if parts:
+        cfg = cfg.with_(num_parts=parts)
+    seq = [9000, 1, 0, 63, 64, 65, 127, 128, 129, 257, 2000]
+    ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
+    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype="fp8", seed=31,
+                     device="cuda")
+    big = 2.0 ** 17 if big_q else 1.0
+    q, scale = case.q * big, spec.softmax_scale / big
+    out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
+                                  softmax_scale=scale, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                             q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[q.dtype], what=f"h={heads} s_q={s_q} page={page} big={big_q}")
+    assert len(calls) == (1 if hopper else 0)
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
