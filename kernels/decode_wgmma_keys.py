@@ -41,15 +41,18 @@ into the one shared K tile, in one of two ways:
   per call), the values the Triton kernel's dequantise path feeds its dots. Four P^T
   buffers of 32 rows do not fit next to the 32-row q block.
 
-Shared memory: q 18 / 36 KiB (R = 16 / 32), the K tile 128 KiB, the rope ring 32 KiB, P^T
-16 / 8 KiB.
+Shared memory: q 18 / 36 KiB (R = 16 / 32), the K tile 128 KiB (four ``[128, 128]``
+buffers), the rope ring 32 KiB, P^T 16 / 8 KiB.
 
 Measured on an H100 (``benchmarks/results/h100-2026-11-26-wgmma-keys-ab.json``; CUDA-graph
 replay, h=16, B 1-128, L 1k-16k, against the 64-row Gluon kernel in the same command): s_q=1
 0.98-1.49x in parts of two tiles (B=128, L=16k: 1081 -> 712 us, 42% -> 65% of copy bandwidth);
 s_q=2 0.99-1.27x in parts of one (1098 -> 863 us). Steps: the transposed dots with a bf16
 dequantised tile 1.36x / 1.21x; pages a tile ahead 1.05x / 1.04x; codes as words with PTX
-dequantisation 1.01x; the grouped path at 16 rows 1.06x. Where it is bound: Nsight Compute at
+dequantisation 1.01x; the grouped path at 16 rows 1.06x; then the K tile and P^T as one
+allocation per scale group (Gluon put a barrier between stores to slices of one buffer: 7
+barriers a tile instead of 17) and the row sums kept per key slot, reduced after the loop:
+1.00x / 1.04-1.05x (s_q=2, B=128, L=16k: 861 -> 821 us; 'v7'). Where it is bound: Nsight Compute at
 B=128, L=16k (first version) measured DRAM at 45% of peak; removing the dequantisation, the PV
 dot or the QK dot (timing runs with wrong results) took 6%, 9% and 10% off, so no single stage
 dominates: the loop is serial (QK, softmax, PV, conversion) with one tile of loads in flight.
@@ -143,7 +146,7 @@ if gluon is not None:
         return codes, sc
 
     @gluon.jit
-    def _store_group(k_s, codes, sc, g: gl.constexpr, GROUP: gl.constexpr, SCALED: gl.constexpr):
+    def _store_group(k_s, codes, sc, GROUP: gl.constexpr, SCALED: gl.constexpr):
         # The group's GROUP columns of the K tile from its codes: SCALED, ``code * scale`` rounded
         # to bf16 (the Triton kernel's values); else the codes as fp16, exactly (the grouped
         # path). Word j holds columns 4j .. 4j + 3: [j, a, b] of the joins is b_{2a+b}, column
@@ -157,7 +160,7 @@ if gluon is not None:
                                                        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
                                                        is_pure=True, pack=1)
         vals = gl.join(gl.join(b0, b2), gl.join(b1, b3))
-        k_s.slice(g * GROUP, GROUP, dim=1).store(gl.reshape(vals, [codes.shape[0], GROUP]))
+        k_s.store(gl.reshape(vals, [codes.shape[0], GROUP]))
 
     @gluon.jit
     def _copy_rope(rope_buf, kv_ptr, page, tile, seq_len, PAGE: gl.constexpr, RANK: gl.constexpr,
@@ -222,7 +225,7 @@ if gluon is not None:
         # a group's codes as int32 words, four a thread (one 16-byte load), 4 keys x 128 codes a warp
         DEQ_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
                                                warps_per_cta=[8, 1], order=[1, 0])
-        K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], KT)
+        K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP], KT)
         ROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], QT)
         QLAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, RANK], KT)
         QROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, ROPE], QT)
@@ -230,10 +233,23 @@ if gluon is not None:
 
         q_lat_s = gl.allocate_shared_memory(KT, [BLOCK_R, RANK], QLAT_SH)
         q_rope_s = gl.allocate_shared_memory(QT, [BLOCK_R, ROPE], QROPE_SH)
-        k_s = gl.allocate_shared_memory(KT, [BLOCK_N, RANK], K_SH)
+        # the K tile as four [BLOCK_N, GROUP] buffers, one per scale group, and four P^T ones:
+        # separate allocations, so that writing one needs no barrier against the others
+        k0_s = gl.allocate_shared_memory(KT, [BLOCK_N, GROUP], K_SH)
+        k1_s = gl.allocate_shared_memory(KT, [BLOCK_N, GROUP], K_SH)
+        k2_s = gl.allocate_shared_memory(KT, [BLOCK_N, GROUP], K_SH)
+        k3_s = gl.allocate_shared_memory(KT, [BLOCK_N, GROUP], K_SH)
         rope_s = gl.allocate_shared_memory(QT, [2, BLOCK_N, ROPE], ROPE_SH)
         # grouped: one P^T per scale group (P times that group's scales)
-        p_s = gl.allocate_shared_memory(KT, [NG if GROUPED else 1, BLOCK_N, BLOCK_R], P_SH)
+        p0_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+        if GROUPED:
+            p1_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+            p2_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+            p3_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+        else:
+            p1_s = p0_s
+            p2_s = p0_s
+            p3_s = p0_s
 
         pid_p = gl.program_id(0)
         ROWS = SQ * H
@@ -306,16 +322,16 @@ if gluon is not None:
                     pg_k = _pages(bt_row, t0, seq_len, PAGE, BLOCK_N, MMA_L)
                     nxt_k = _pages(bt_row, t0 + 1, len1, PAGE, BLOCK_N, MMA_L)
                     k0, k1, k2, k3 = _key_scales(kv_ptr, pg_k, t0, seq_len, PAGE, RANK, TOKEN_STRIDE, BLOCK_N, MMA_L)
-                _store_group(k_s, c0, s0, 0, GROUP, not GROUPED)
-                _store_group(k_s, c1, s1, 1, GROUP, not GROUPED)
-                _store_group(k_s, c2, s2, 2, GROUP, not GROUPED)
-                _store_group(k_s, c3, s3, 3, GROUP, not GROUPED)
+                _store_group(k0_s, c0, s0, GROUP, not GROUPED)
+                _store_group(k1_s, c1, s1, GROUP, not GROUPED)
+                _store_group(k2_s, c2, s2, GROUP, not GROUPED)
+                _store_group(k3_s, c3, s3, GROUP, not GROUPED)
                 async_copy.wait_group(0)
                 fence_async_shared()
                 gl.thread_barrier()
 
                 m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, ROW_L)
-                l_i = gl.full([BLOCK_R], 0.0, gl.float32, ROW_L)
+                l_p = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
                 # acc^T in four [GROUP, BLOCK_R] parts, one per scale group of latent columns
                 a0 = gl.full([GROUP, BLOCK_R], 0.0, gl.float32, MMA_L)
                 a1 = gl.full([GROUP, BLOCK_R], 0.0, gl.float32, MMA_L)
@@ -350,15 +366,15 @@ if gluon is not None:
                         j0, j1, j2, j3 = _key_scales(kv_ptr, nxt_k, tile + 1, nxt_len, PAGE, RANK, TOKEN_STRIDE,
                                                      BLOCK_N, MMA_L)
                         z = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
-                        g0 = warpgroup_mma(k_s.slice(0, GROUP, dim=1), q_lat_s.slice(0, GROUP, dim=1).permute((1, 0)),
+                        g0 = warpgroup_mma(k0_s, q_lat_s.slice(0, GROUP, dim=1).permute((1, 0)),
                                            z, use_acc=False, is_async=True)
-                        g1 = warpgroup_mma(k_s.slice(GROUP, GROUP, dim=1),
+                        g1 = warpgroup_mma(k1_s,
                                            q_lat_s.slice(GROUP, GROUP, dim=1).permute((1, 0)), z, use_acc=False,
                                            is_async=True)
-                        g2 = warpgroup_mma(k_s.slice(2 * GROUP, GROUP, dim=1),
+                        g2 = warpgroup_mma(k2_s,
                                            q_lat_s.slice(2 * GROUP, GROUP, dim=1).permute((1, 0)), z, use_acc=False,
                                            is_async=True)
-                        g3 = warpgroup_mma(k_s.slice(3 * GROUP, GROUP, dim=1),
+                        g3 = warpgroup_mma(k3_s,
                                            q_lat_s.slice(3 * GROUP, GROUP, dim=1).permute((1, 0)), z, use_acc=False,
                                            is_async=True)
                         sr, g0, g1, g2, g3 = warpgroup_mma_wait(num_outstanding=0, deps=(sr, g0, g1, g2, g3))
@@ -366,7 +382,12 @@ if gluon is not None:
                         s = (g0 * k0[:, None] + g1 * k1[:, None] + g2 * k2[:, None] + g3 * k3[:, None])
                         s = s * inv_qs[None, :] + sr
                     else:
-                        s = warpgroup_mma(k_s, q_lat_s.permute((1, 0)), sr, is_async=True)
+                        s = warpgroup_mma(k0_s, q_lat_s.slice(0, GROUP, dim=1).permute((1, 0)), sr, is_async=True)
+                        s = warpgroup_mma(k1_s, q_lat_s.slice(GROUP, GROUP, dim=1).permute((1, 0)), s, is_async=True)
+                        s = warpgroup_mma(k2_s, q_lat_s.slice(2 * GROUP, GROUP, dim=1).permute((1, 0)), s,
+                                          is_async=True)
+                        s = warpgroup_mma(k3_s, q_lat_s.slice(3 * GROUP, GROUP, dim=1).permute((1, 0)), s,
+                                          is_async=True)
                         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
                     offs_n = tile * BLOCK_N + n
@@ -377,7 +398,8 @@ if gluon is not None:
                     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = gl.exp2(m_i - m_ref)
                     p = gl.exp2(s - m_ref[None, :])
-                    l_i = l_i * alpha + gl.sum(p, axis=0)
+                    # the row sums are kept per key slot and reduced once, after the loop
+                    l_p = l_p * alpha[None, :] + p
                     m_i = m_new
                     a0 = a0 * alpha[None, :]
                     a1 = a1 * alpha[None, :]
@@ -385,40 +407,26 @@ if gluon is not None:
                     a3 = a3 * alpha[None, :]
                     if GROUPED:
                         # P^T times each group's key scales (and 2**8, out of fp16's subnormals)
-                        p_s.index(0).store((p * (k0 * PV_SCALE)[:, None]).to(KT))
-                        p_s.index(1).store((p * (k1 * PV_SCALE)[:, None]).to(KT))
-                        p_s.index(2).store((p * (k2 * PV_SCALE)[:, None]).to(KT))
-                        p_s.index(3).store((p * (k3 * PV_SCALE)[:, None]).to(KT))
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        a0 = warpgroup_mma(k_s.slice(0, GROUP, dim=1).permute((1, 0)), p_s.index(0), a0,
-                                           is_async=True)
-                        a1 = warpgroup_mma(k_s.slice(GROUP, GROUP, dim=1).permute((1, 0)), p_s.index(1), a1,
-                                           is_async=True)
-                        a2 = warpgroup_mma(k_s.slice(2 * GROUP, GROUP, dim=1).permute((1, 0)), p_s.index(2), a2,
-                                           is_async=True)
-                        a3 = warpgroup_mma(k_s.slice(3 * GROUP, GROUP, dim=1).permute((1, 0)), p_s.index(3), a3,
-                                           is_async=True)
+                        p0_s.store((p * (k0 * PV_SCALE)[:, None]).to(KT))
+                        p1_s.store((p * (k1 * PV_SCALE)[:, None]).to(KT))
+                        p2_s.store((p * (k2 * PV_SCALE)[:, None]).to(KT))
+                        p3_s.store((p * (k3 * PV_SCALE)[:, None]).to(KT))
                     else:
-                        p_s.index(0).store(p.to(KT))
-                        fence_async_shared()
-                        gl.thread_barrier()
-                        a0 = warpgroup_mma(k_s.slice(0, GROUP, dim=1).permute((1, 0)), p_s.index(0), a0,
-                                           is_async=True)
-                        a1 = warpgroup_mma(k_s.slice(GROUP, GROUP, dim=1).permute((1, 0)), p_s.index(0), a1,
-                                           is_async=True)
-                        a2 = warpgroup_mma(k_s.slice(2 * GROUP, GROUP, dim=1).permute((1, 0)), p_s.index(0), a2,
-                                           is_async=True)
-                        a3 = warpgroup_mma(k_s.slice(3 * GROUP, GROUP, dim=1).permute((1, 0)), p_s.index(0), a3,
-                                           is_async=True)
+                        p0_s.store(p.to(KT))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    a0 = warpgroup_mma(k0_s.permute((1, 0)), p0_s, a0, is_async=True)
+                    a1 = warpgroup_mma(k1_s.permute((1, 0)), p1_s, a1, is_async=True)
+                    a2 = warpgroup_mma(k2_s.permute((1, 0)), p2_s, a2, is_async=True)
+                    a3 = warpgroup_mma(k3_s.permute((1, 0)), p3_s, a3, is_async=True)
                     a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
                     # both warpgroups are done reading the K tile (and P)
                     gl.thread_barrier()
                     if tile + 1 < t1:
-                        _store_group(k_s, c0, s0, 0, GROUP, not GROUPED)
-                        _store_group(k_s, c1, s1, 1, GROUP, not GROUPED)
-                        _store_group(k_s, c2, s2, 2, GROUP, not GROUPED)
-                        _store_group(k_s, c3, s3, 3, GROUP, not GROUPED)
+                        _store_group(k0_s, c0, s0, GROUP, not GROUPED)
+                        _store_group(k1_s, c1, s1, GROUP, not GROUPED)
+                        _store_group(k2_s, c2, s2, GROUP, not GROUPED)
+                        _store_group(k3_s, c3, s3, GROUP, not GROUPED)
                     async_copy.wait_group(0)
                     fence_async_shared()
                     gl.thread_barrier()
@@ -428,6 +436,7 @@ if gluon is not None:
                         nxt_k = nxt2_k
                         k0, k1, k2, k3 = j0, j1, j2, j3
 
+                l_i = gl.sum(l_p, axis=0)
                 has_keys = l_i > 0.0
                 l_safe = gl.where(has_keys, l_i, 1.0)
                 lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
