@@ -101,6 +101,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
+from .gluon_parts import part_bounds, request_span
 
 __all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "wgmma_plan", "launch_decode_wgmma", "mark_unavailable"]
 
@@ -293,12 +294,7 @@ if gluon is not None:
         pid_p = gl.program_id(0)
         pid_m = gl.program_id(1)
         ROWS = SQ * H
-        b_first = gl.load(part_ptr + pid_p * 3 + 0)
-        t_first = gl.load(part_ptr + pid_p * 3 + 1)
-        j_first = gl.load(part_ptr + pid_p * 3 + 2)
-        b_end = gl.load(part_ptr + (pid_p + 1) * 3 + 0)
-        t_end = gl.load(part_ptr + (pid_p + 1) * 3 + 1)
-        b_last = gl.where(t_end > 0, b_end, b_end - 1)
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
         ctx_w = gl.load(ctxw_ptr)
 
         # rows in the copy layouts (q) and in the dot layouts (mask, stores)
@@ -317,14 +313,9 @@ if gluon is not None:
 
         for b in range(b_first, b_last + 1):
             b64 = b.to(gl.int64)
-            seq_len = gl.load(seq_ptr + b)
-            n_tiles = (gl.maximum(seq_len, 0) + BLOCK_N - 1) // BLOCK_N
-            t0 = gl.where(b == b_first, t_first, 0)
-            t1 = gl.where(b == b_end, t_end, n_tiles)
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
             if t1 > t0:
-                piece = gl.where(b == b_first, j_first, 0)
-                nsplit = gl.load(nsplit_ptr + b)
-                p_row = gl.load(off_ptr + b) + piece
                 bt_row = bt_ptr + b64 * bt_stride
                 ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=row_ok_s & (tok_s < ctx_w), other=0)
                 # every warp is done with the shared buffers of the previous request

@@ -77,6 +77,8 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
+from .gluon_parts import part_bounds, request_span
+
 __all__ = ["launch_decode_wgmma_keys", "KEYS_BLOCK_N", "KEYS_MAX_ROWS"]
 
 #: Keys a tile (two warpgroups x wgmma's 64 rows).
@@ -161,6 +163,15 @@ if gluon is not None:
                                                        is_pure=True, pack=1)
         vals = gl.join(gl.join(b0, b2), gl.join(b1, b3))
         k_s.store(gl.reshape(vals, [codes.shape[0], GROUP]))
+
+    @gluon.jit
+    def _store_tile(k0_s, k1_s, k2_s, k3_s, c0, c1, c2, c3, s0, s1, s2, s3, GROUP: gl.constexpr,
+                    SCALED: gl.constexpr):
+        # The four scale groups of a tile (codes c*, scales s* from _load_codes) into their K buffers
+        _store_group(k0_s, c0, s0, GROUP, SCALED)
+        _store_group(k1_s, c1, s1, GROUP, SCALED)
+        _store_group(k2_s, c2, s2, GROUP, SCALED)
+        _store_group(k3_s, c3, s3, GROUP, SCALED)
 
     @gluon.jit
     def _copy_rope(rope_buf, kv_ptr, page, tile, seq_len, PAGE: gl.constexpr, RANK: gl.constexpr,
@@ -253,12 +264,7 @@ if gluon is not None:
 
         pid_p = gl.program_id(0)
         ROWS = SQ * H
-        b_first = gl.load(part_ptr + pid_p * 3 + 0)
-        t_first = gl.load(part_ptr + pid_p * 3 + 1)
-        j_first = gl.load(part_ptr + pid_p * 3 + 2)
-        b_end = gl.load(part_ptr + (pid_p + 1) * 3 + 0)
-        t_end = gl.load(part_ptr + (pid_p + 1) * 3 + 1)
-        b_last = gl.where(t_end > 0, b_end, b_end - 1)
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
         ctx_w = gl.load(ctxw_ptr)
 
         r_lat = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, Q_L))
@@ -275,14 +281,9 @@ if gluon is not None:
 
         for b in range(b_first, b_last + 1):
             b64 = b.to(gl.int64)
-            seq_len = gl.load(seq_ptr + b)
-            n_tiles = (gl.maximum(seq_len, 0) + BLOCK_N - 1) // BLOCK_N
-            t0 = gl.where(b == b_first, t_first, 0)
-            t1 = gl.where(b == b_end, t_end, n_tiles)
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
             if t1 > t0:
-                piece = gl.where(b == b_first, j_first, 0)
-                nsplit = gl.load(nsplit_ptr + b)
-                p_row = gl.load(off_ptr + b) + piece
                 bt_row = bt_ptr + b64 * bt_stride
                 ctx = gl.load(ctx_ptr + b64 * ctx_w + tok, mask=row_ok & (tok < ctx_w), other=0)
                 # every warp is done with the shared buffers of the previous request
@@ -322,10 +323,7 @@ if gluon is not None:
                     pg_k = _pages(bt_row, t0, seq_len, PAGE, BLOCK_N, MMA_L)
                     nxt_k = _pages(bt_row, t0 + 1, len1, PAGE, BLOCK_N, MMA_L)
                     k0, k1, k2, k3 = _key_scales(kv_ptr, pg_k, t0, seq_len, PAGE, RANK, TOKEN_STRIDE, BLOCK_N, MMA_L)
-                _store_group(k0_s, c0, s0, GROUP, not GROUPED)
-                _store_group(k1_s, c1, s1, GROUP, not GROUPED)
-                _store_group(k2_s, c2, s2, GROUP, not GROUPED)
-                _store_group(k3_s, c3, s3, GROUP, not GROUPED)
+                _store_tile(k0_s, k1_s, k2_s, k3_s, c0, c1, c2, c3, s0, s1, s2, s3, GROUP, not GROUPED)
                 async_copy.wait_group(0)
                 fence_async_shared()
                 gl.thread_barrier()
@@ -423,10 +421,7 @@ if gluon is not None:
                     # both warpgroups are done reading the K tile (and P)
                     gl.thread_barrier()
                     if tile + 1 < t1:
-                        _store_group(k0_s, c0, s0, GROUP, not GROUPED)
-                        _store_group(k1_s, c1, s1, GROUP, not GROUPED)
-                        _store_group(k2_s, c2, s2, GROUP, not GROUPED)
-                        _store_group(k3_s, c3, s3, GROUP, not GROUPED)
+                        _store_tile(k0_s, k1_s, k2_s, k3_s, c0, c1, c2, c3, s0, s1, s2, s3, GROUP, not GROUPED)
                     async_copy.wait_group(0)
                     fence_async_shared()
                     gl.thread_barrier()
