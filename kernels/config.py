@@ -801,9 +801,10 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         grouped = False
         if fp8 and _keys_device():
             # FP8: the keys-on-M Gluon kernel (kernels/decode_wgmma_keys.py; 128-key tiles, the
-            # query rows as the dots' N) against the 64-row one above, over B 1-128, L 1k-16k:
-            # s_q=1 0.98-1.49x in parts of two tiles (parts of one: B=1, L=16k over 128 pieces,
-            # 0.86x), s_q=2 0.99-1.27x in parts of one (two: B 1-8, L=1k, 0.87x)
+            # query rows as the dots' N) against the 64-row one above, B 1-128, L 1k-16k, same
+            # H100 and command: s_q=1 1.06-1.55x in parts of two tiles, s_q=2 1.03-1.34x in parts
+            # of one (h100-2026-11-26-kernel-13*.json). Parts of one at s_q=1 split B=1, L=16k
+            # over 128 pieces (0.77x); parts of two at s_q=2 slowed B 1-8, L=1k (0.82-0.84x)
             # (h100-2026-11-26-wgmma-keys-ab.json, 'v5' / 'v1')
             block_m, block_n, warps, stages = (16 if rows <= 16 else 32), 128, 8, 1
             min_tiles = 2 if rows <= 16 else 1

@@ -44,18 +44,23 @@ into the one shared K tile, in one of two ways:
 Shared memory: q 18 / 36 KiB (R = 16 / 32), the K tile 128 KiB (four ``[128, 128]``
 buffers), the rope ring 32 KiB, P^T 16 / 8 KiB.
 
-Measured on an H100 (``benchmarks/results/h100-2026-11-26-wgmma-keys-ab.json``; CUDA-graph
-replay, h=16, B 1-128, L 1k-16k, against the 64-row Gluon kernel in the same command): s_q=1
-0.98-1.49x in parts of two tiles (B=128, L=16k: 1081 -> 712 us, 42% -> 65% of copy bandwidth);
-s_q=2 0.99-1.27x in parts of one (1098 -> 863 us). Steps: the transposed dots with a bf16
-dequantised tile 1.36x / 1.21x; pages a tile ahead 1.05x / 1.04x; codes as words with PTX
+Measured on an H100 against the 64-row Gluon kernel, same command (``kernel_bench.py``,
+CUDA-graph replay of planner + decode + combine, h=16, B 1-128, L 1k-16k;
+``benchmarks/results/h100-2026-11-26-kernel-13*.json``): s_q=1 1.06-1.55x in parts of two tiles
+(B=128, L=16k: 1100 -> 708 us, 42% -> 65% of copy bandwidth), s_q=2 1.03-1.34x in parts of one
+(1088 -> 815 us). Steps (``h100-2026-11-26-wgmma-keys-ab.json``): the transposed dots with a
+bf16 dequantised tile 1.36x / 1.21x; pages a tile ahead 1.05x / 1.04x; codes as words with PTX
 dequantisation 1.01x; the grouped path at 16 rows 1.06x; then the K tile and P^T as one
 allocation per scale group (Gluon put a barrier between stores to slices of one buffer: 7
 barriers a tile instead of 17) and the row sums kept per key slot, reduced after the loop:
-1.00x / 1.04-1.05x (s_q=2, B=128, L=16k: 861 -> 821 us; 'v7'). Where it is bound: Nsight Compute at
-B=128, L=16k (first version) measured DRAM at 45% of peak; removing the dequantisation, the PV
-dot or the QK dot (timing runs with wrong results) took 6%, 9% and 10% off, so no single stage
-dominates: the loop is serial (QK, softmax, PV, conversion) with one tile of loads in flight.
+1.00x / 1.04-1.05x (s_q=2, B=128, L=16k: 861 -> 821 us; 'v7'). Where it is bound: Nsight
+Compute at B=128, L=16k (first version,
+``benchmarks/results/ncu/h100-2026-11-26-ncu_keys_fp8_16_1_128_16384.txt``) measured DRAM at
+45% of peak and put a fifth of the stall samples on address arithmetic waiting for the block
+table (hence the pages a tile ahead); removing the
+dequantisation, the PV dot or the QK dot (timing runs with wrong results) took 6%, 9% and 10%
+off, so no single stage dominates: the loop is serial (QK, softmax, PV, conversion) with one
+tile of loads in flight.
 Tried and not kept (same json): the codes two tiles ahead (registers, a rope ring of three)
 0.81x; a warp loading one key's 512 codes instead of 4 keys x 128 codes 0.83x, 8 or 16 keys x
 64 or 32 codes 0.91x / 0.80x; ``ld.global.cg`` 0.92x.
