@@ -202,10 +202,14 @@ def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts,
 
 
 @pytest.mark.gpu
-def test_decode_wgmma_build_failure_falls_back_gpu(monkeypatch):
-    """The Gluon kernel failing to build (here: a resource error raised by its launch) gives a
-    warning and the Triton kernel's result, for this launch and the next."""
+@pytest.mark.parametrize("kernel,heads,s_q,kv", [("_decode_wgmma_kernel", 128, 2, "bf16"),
+                                                 ("_decode_keys_kernel", 16, 1, "fp8")], ids=["64-row", "keys"])
+def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monkeypatch):
+    """A Gluon kernel failing to build (here: a resource error raised by its launch) gives a
+    warning and the Triton kernel's result, for this launch and the next (the 64-row kernel
+    at h=128 bf16, the keys-on-M one at h=16 FP8: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
+    import kernels.decode_wgmma_keys as dk
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
 
     class Unbuildable:
@@ -214,9 +218,9 @@ def test_decode_wgmma_build_failure_falls_back_gpu(monkeypatch):
                 raise OutOfResources(300000, 232448, "shared memory")
             return launch
 
-    monkeypatch.setattr(dw, "_decode_wgmma_kernel", Unbuildable())
-    spec = ModelSpec(num_heads=128)
-    case = make_case(spec, seq_lens=[700, 0, 65], q_lens=[2, 0, 1], s_q=2, page_size=64, kv_dtype="bf16", seed=3,
+    monkeypatch.setattr(dw if kernel == "_decode_wgmma_kernel" else dk, kernel, Unbuildable())
+    spec = ModelSpec(num_heads=heads)
+    case = make_case(spec, seq_lens=[700, 0, 65], q_lens=[s_q, 0, 1], s_q=s_q, page_size=64, kv_dtype=kv, seed=3,
                      device="cuda")
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     with pytest.warns(RuntimeWarning, match="did not build"):
