@@ -72,8 +72,6 @@ falls back to the Triton kernel as for the 64-row one (``decode_wgmma.mark_unava
 """
 from __future__ import annotations
 
-import torch
-
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -84,14 +82,10 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 from .gluon_parts import part_bounds, request_span
 
-__all__ = ["launch_decode_wgmma_keys", "KEYS_BLOCK_N", "KEYS_MAX_ROWS"]
+__all__ = ["launch_decode_wgmma_keys", "KEYS_BLOCK_N"]
 
 #: Keys a tile (two warpgroups x wgmma's 64 rows).
 KEYS_BLOCK_N = 128
-#: Most query rows a program takes (the N of both dots; 64 registers of accumulator a thread).
-KEYS_MAX_ROWS = 32
-#: 16-row blocks take the grouped path (fp16 codes, scales on the dot results; module doc).
-KEYS_GROUPED = True
 
 
 if gluon is not None:
@@ -476,4 +470,4 @@ def launch_decode_wgmma_keys(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2,
         q.shape[1], q.shape[2], PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group,
         TOKEN_STRIDE=kv_cache.shape[-1], BLOCK_R=block_m, BLOCK_N=block_n,
-        GROUPED=bool(KEYS_GROUPED) and block_m <= 16, num_warps=8)
+        GROUPED=block_m <= 16, num_warps=8)
