@@ -12,7 +12,7 @@
   per code tile), timed where twin loads would apply, to show what they are worth.
 
 Both run ``TritonMLABackend.forward`` (planner + decode + combine) captured in a CUDA graph,
-timed with ``triton.testing.do_bench`` (median, L2 flushed), via ``benchmarks/kernel_bench``'s
+timed as ``benchmarks/kernel_bench`` times (median replay after a clean L2 flush), via its
 ``CachePool`` / ``run_case`` (DeepSeek-V3 dims, page 64, h = 16 query heads).
 
 1. Sweep (one representative case per s_q, ``--sweep-case``, default B=128 L=4096): launch
@@ -391,7 +391,7 @@ def main(argv=None) -> int:
         "gpu": props.name, "sms": sms, "date": datetime.date.today().isoformat(),
         "torch": torch.__version__, "triton": __import__("triton").__version__, "python": platform.python_version(),
         "copy_TBps_read_plus_write": copy_tbps, "heads": HEADS, "sweep_case": [sweep_B, sweep_L],
-        "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
+        "timing": kb.TIMING_NOTE,
         "variants": VARIANTS, "best": summary, "sweep": sweep_rows, "results": results,
         "skipped_for_budget": skipped, "wall_s": time.time() - t_start,
     }
@@ -516,7 +516,7 @@ def grid_main(args, t_start, sqs, batches, lens, props, sms, *, mode, settings, 
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
         "copy_TBps_read_plus_write": copy_tbps, "heads": heads, "page_size": kb.PAGE, "mode": mode,
-        "timing": "CUDA-graph replay of TritonMLABackend.forward, triton.testing.do_bench median (L2 flushed)",
+        "timing": kb.TIMING_NOTE,
         "variants": {k: VARIANTS[k] for k in variants}, "baseline": baseline,
         "tma_module": {k: getattr(ds, k) for k in ("FP8_TMA_STAGES", "FP8_TMA_SMEM_BUDGET", "TMA_MAX_BLOCK_M")},
         "settings": {s_q: [dict(setting=lab, variant=v, config=kb.cfg_dict(c), fp8_grouped=c.fp8_grouped)

@@ -5,6 +5,8 @@ import importlib.util
 import os
 import sys
 
+import pytest
+
 
 def _load_kernel_bench(monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repo root first
@@ -26,3 +28,36 @@ def test_ceiling_is_best_of_trials_and_every_trial_is_logged(monkeypatch):
     assert kb._best_of("copy_TBps", lambda: calls.append(1) or 2.9, 0) == 2.9  # at least one trial
     assert calls == [1] and kb.RATE_LOG["copy_TBps"] == [2.9]
     assert kb.RATE_TRIALS >= 3
+
+
+def _load_replay_timing(monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "replay_timing.py")
+    spec = importlib.util.spec_from_file_location("_replay_timing", path)
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    return rt
+
+
+def test_read_reference_refuses_more_bytes_than_its_buffer(monkeypatch):
+    """A read reference longer than its buffer would time a shorter read than the case's:
+    it must refuse, not clip."""
+    rt = _load_replay_timing(monkeypatch)
+    flush = type("F", (), {"clean": lambda self: None})()
+    ref = rt.ReadReference(1000, flush, device="cpu")
+    with pytest.raises(ValueError, match="exceeds its buffer"):
+        ref.read_ref_ms(4000)
+
+
+@pytest.mark.gpu
+def test_replay_timing_flushes_before_every_timed_run_gpu(monkeypatch):
+    """Every timed run (and every warm-up run) follows its own flush, so no run starts with
+    the previous one's lines in L2."""
+    import torch
+
+    rt = _load_replay_timing(monkeypatch)
+    order = []
+    x = torch.ones(1 << 20, device="cuda")
+    ms = rt.median_replay_ms(lambda: order.append("run") or x.sum(), lambda: order.append("flush"), warmup=3, reps=5)
+    assert order == ["flush", "run"] * 8
+    assert ms > 0.0

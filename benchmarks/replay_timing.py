@@ -1,0 +1,84 @@
+"""Timing of CUDA-graph replays from a cold, clean L2 (GPU only), and the plain-read reference.
+
+Why not ``triton.testing.do_bench``'s flush: it clears L2 by *writing* zeros over a 256 MB
+buffer, which leaves L2 (50 MB on an H100) full of dirty lines. The timed kernel's first reads
+then evict them, and their write-back lands inside the timed region: up to 50 MB of DRAM
+writes charged to a kernel that wrote none of them. Measured on one H100 in one process
+(``benchmarks/results/h100-2026-11-26-flush-ab.json``, medians of 60): a ``torch.sum`` over
+151 MB took 77.2 us after do_bench's flush and 67.9 us after a read-only one; the planner +
+decode + combine replay of bf16 h=16, B=8, L=16k (the same 151 MB) 87.4 and 79.5 us; at B=128,
+L=16k (2.4 GB) 846.8 and 830.0 us. A flush that zeroes and then reads gave the read-only
+flush's times (within 1.3%); no flush at all was slower than either (not investigated).
+
+``L2Flush.clean`` instead *reads* a 256 MB buffer: the lines it leaves in L2 are clean and hold
+none of the case's data, so the timed region pays for exactly the traffic the kernels make.
+``read_ref_ms`` times the cheapest way torch has to read the same bytes (a sum over a bf16
+view, captured in a graph and replayed the same way): a practical ceiling next to the copy
+rate, which a 151 MB read reaches only 73% of (same json).
+"""
+from __future__ import annotations
+
+import torch
+
+#: bytes the flush reads: five times an H100's / H200's 50 / 60 MB L2
+FLUSH_BYTES = 256 * 1024 * 1024
+
+
+class L2Flush:
+    """A 256 MB int32 buffer read (summed) before each timed replay; see the module doc."""
+
+    def __init__(self, device: str = "cuda"):
+        self.buf = torch.ones(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        self.sink = torch.empty((), dtype=torch.int64, device=device)
+
+    def clean(self) -> None:
+        """Evict L2 by reading: afterwards it holds only clean lines of this buffer."""
+        torch.sum(self.buf, dim=0, dtype=torch.int64, out=self.sink)
+
+
+def median_replay_ms(fn, flush, *, warmup: int = 10, reps: int = 60) -> float:
+    """Median wall time (ms, CUDA events) of ``fn()`` over ``reps`` runs, ``flush()`` before
+    each (untimed), after ``warmup`` untimed flush + run pairs. ``fn`` is typically a
+    ``CUDAGraph.replay``."""
+    for _ in range(warmup):
+        flush()
+        fn()
+    times = []
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+class ReadReference:
+    """``read_ref_ms(nbytes)``: the replay time of a graph that sums the first ``nbytes`` of one
+    preallocated bf16 buffer into fp32 -- the same bytes a case's kernels read, read by torch's
+    reduction, timed by ``median_replay_ms`` with the same flush."""
+
+    def __init__(self, max_bytes: int, flush: L2Flush, device: str = "cuda"):
+        self.data = torch.ones(max_bytes // 2 + 1, dtype=torch.bfloat16, device=device)
+        self.out = torch.empty((), dtype=torch.float32, device=device)
+        self.flush = flush
+
+    def read_ref_ms(self, nbytes: int) -> float:
+        """Median ms of summing ``nbytes`` (rounded down to whole bf16 values; at most the
+        ``max_bytes`` given at construction) in a replayed CUDA graph."""
+        n = nbytes // 2
+        if n > self.data.numel():
+            raise ValueError(f"read reference of {nbytes} bytes exceeds its buffer ({2 * self.data.numel()} bytes)")
+        view = self.data[:n]
+        torch.sum(view, dim=0, dtype=torch.float32, out=self.out)  # warm the kernel choice outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.sum(view, dim=0, dtype=torch.float32, out=self.out)
+        try:
+            return median_replay_ms(graph.replay, self.flush.clean)
+        finally:
+            del graph
