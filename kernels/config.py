@@ -689,6 +689,14 @@ def _keys_device() -> bool:
     return bool(decode_wgmma.WGMMA_KEYS)
 
 
+def _ws_device() -> bool:
+    """Whether FP8 blocks of up to 16 query rows take the warp-specialised Gluon kernel
+    (``kernels/decode_wgmma_ws.py``) where the keys-on-M one is taken: its switch
+    ``decode_wgmma.WGMMA_WS``."""
+    from . import decode_wgmma
+    return bool(decode_wgmma.WGMMA_WS)
+
+
 def _sm_count(device: torch.device) -> int:
     try:
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -808,6 +816,13 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
             # (h100-2026-11-26-wgmma-keys-ab.json, 'v5' / 'v1')
             block_m, block_n, warps, stages = (16 if rows <= 16 else 32), 128, 8, 1
             min_tiles = 2 if rows <= 16 else 1
+            if rows <= 16 and _ws_device():
+                # up to 16 rows: the warp-specialised one (kernels/decode_wgmma_ws.py; a producer
+                # warpgroup converts 64-key tiles for a consumer warpgroup's dots), parts of four
+                # tiles (the same 256 keys): 1.03-1.14x the keys-on-M kernel over B 1-128, L 1k-16k,
+                # 1.05-1.14x at B >= 8 (h100-2026-11-26-wgmma-ws-ab.json); parts of two tiles split
+                # B=1, L=16k over twice the pieces (0.77x there)
+                block_n, warps, min_tiles = 64, 4, 4
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x

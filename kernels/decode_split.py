@@ -281,6 +281,7 @@ import triton.language as tl
 from .config import interpreting
 from .decode_wgmma import launch_decode_wgmma, mark_unavailable, wgmma_plan
 from .decode_wgmma_keys import launch_decode_wgmma_keys
+from .decode_wgmma_ws import launch_decode_wgmma_ws
 from .rounding import to_out
 
 try:  # Triton's compile / resource errors (a Gluon kernel that fails to build, below)
@@ -933,11 +934,14 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     fp8 = kv_cache.dtype == torch.uint8
     if not dot_f32 and wgmma_plan(q, kv_cache, rank=rank, rope_dim=rope_dim, block_m=block_m, block_n=block_n,
                                   num_warps=num_warps, fp8_group=fp8_group) is None:
-        # Hopper, 64-row blocks of 64-key tiles: the Gluon kernel (kernels/decode_wgmma.py). A
-        # build failure (compile or resources: raised before anything is launched) sends this
-        # and every later launch to this kernel, with a warning
+        # Hopper: a Gluon kernel -- 64-row blocks the one of kernels/decode_wgmma.py; FP8 few-row
+        # blocks of 4 warps the warp-specialised one (decode_wgmma_ws.py), of 8 warps the
+        # keys-on-M one (decode_wgmma_keys.py). A build failure (compile or resources: raised
+        # before anything is launched) sends this and every later launch to this kernel, with
+        # a warning
         try:
-            launch = launch_decode_wgmma if block_m == 64 else launch_decode_wgmma_keys
+            launch = (launch_decode_wgmma if block_m == 64 else
+                      launch_decode_wgmma_ws if num_warps == 4 else launch_decode_wgmma_keys)
             launch(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                    split_offsets, out, lse, partial_o, partial_lse, softmax_scale_log2=float(softmax_scale) * _LOG2E,
                    rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n)

@@ -75,9 +75,11 @@ compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
 ``WGMMA_DECODE`` switch on); on such a device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles) and h=16 bf16 at s_q=2 (32 query rows in a 64-row block, the rest
-masked padding; the part sizes are in that function). h=16 FP8 (s_q 1-2) takes the few-row
-kernel of ``kernels/decode_wgmma_keys.py`` instead, which ``wgmma_plan`` admits too (this
-kernel ran it before, padded to 64 rows, and still does with ``WGMMA_KEYS`` off). It is
+masked padding; the part sizes are in that function). h=16 FP8 takes a few-row kernel
+instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the warp-specialised one of
+``kernels/decode_wgmma_ws.py`` (switch ``WGMMA_WS``), at s_q=2 -- and at s_q=1 with that switch
+off -- the keys-on-M one of ``kernels/decode_wgmma_keys.py`` (this kernel ran both before, padded
+to 64 rows, and still does with ``WGMMA_KEYS`` off). It is
 written against Triton 3.6's Gluon, an experimental API: if it fails to build with the
 installed Triton (a compile or resource error, raised before anything is launched), the
 first launch warns and it and every later one take the Triton kernel (``mark_unavailable``).
@@ -101,9 +103,10 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
+from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
 from .gluon_parts import part_bounds, request_span
 
-__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "wgmma_plan", "launch_decode_wgmma", "mark_unavailable"]
+__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "wgmma_plan", "launch_decode_wgmma", "mark_unavailable"]
 
 #: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
 #: tests turn it off to time / check the Triton kernel on the same GPU).
@@ -112,6 +115,9 @@ WGMMA_DECODE = True
 #: tiles (a switch like ``WGMMA_DECODE``, which also turns it off; ``config.default_config``
 #: gives those blocks only while it is on).
 WGMMA_KEYS = True
+#: Take the warp-specialised FP8 kernel (``decode_wgmma_ws``) for 16-row blocks of 64-key
+#: tiles with 4 warps (a switch like ``WGMMA_KEYS``; ``WGMMA_DECODE`` turns it off too).
+WGMMA_WS = True
 #: Why this kernel cannot be built in this process (None: it can, as far as is known). Set
 #: by ``mark_unavailable`` when the first build fails -- a Triton whose Gluon differs from the
 #: one the kernel is written for (3.6) -- so that every later launch takes the Triton kernel.
@@ -124,10 +130,12 @@ FP8_GROUP = 128
 def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: int, block_m: int, block_n: int,
                num_warps: int, fp8_group: int = 128, capability: Optional[tuple] = None) -> Optional[str]:
     """None when a Gluon kernel can run the launch, else the reason none can (host-side,
-    static: a captured graph's kernel choice depends only on capture-time facts). Two shapes
-    are taken: 64-row blocks of 64-key tiles (this module's kernel; 16-bit or FP8 caches),
-    and 16- or 32-row blocks of 128-key tiles holding all ``s_q * h`` query rows (FP8 only:
-    ``decode_wgmma_keys``, switch ``WGMMA_KEYS``); both with 8 warps.
+    static: a captured graph's kernel choice depends only on capture-time facts). Three shapes
+    are taken: 64-row blocks of 64-key tiles with 8 warps (this module's kernel; 16-bit or FP8
+    caches); 16- or 32-row blocks of 128-key tiles with 8 warps holding all ``s_q * h`` query
+    rows (FP8 only: ``decode_wgmma_keys``, switch ``WGMMA_KEYS``); 16-row blocks of 64-key tiles
+    with 4 warps holding them all (FP8 only: the warp-specialised ``decode_wgmma_ws``, switch
+    ``WGMMA_WS``).
 
     q ``[B, s_q, h, rank + rope]`` (bf16 / fp16 take it); kv_cache ``[num_blocks, page,
     rank + rope]`` of q's dtype, or uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``
@@ -164,6 +172,16 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
         return f"rank {rank} + rope {rope_dim} (the shared-memory budget is sized for 512 + 64)"
     if (block_m, block_n, num_warps) == (64, 64, 8):
         return None
+    if (block_m, block_n, num_warps) == (16, WS_BLOCK_N, WS_WARPS):
+        # the warp-specialised few-row FP8 kernel (kernels/decode_wgmma_ws.py)
+        if not WGMMA_WS:
+            return "WGMMA_WS is off"
+        if kv_cache.dtype != torch.uint8:
+            return f"block {block_m}x{block_n}: the warp-specialised kernel takes FP8 caches only"
+        if q.shape[1] * q.shape[2] > block_m:
+            return (f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the warp-specialised "
+                    f"kernel takes one block)")
+        return None
     if block_n == KEYS_BLOCK_N and block_m in (16, 32) and num_warps == 8:
         # the few-row FP8 kernel, keys on the wgmma M axis (kernels/decode_wgmma_keys.py)
         if not WGMMA_KEYS:
@@ -174,8 +192,8 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
             return (f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the keys-on-M kernel "
                     f"takes one block)")
         return None
-    return (f"block {block_m}x{block_n} with {num_warps} warps (these kernels are 64x64, or 16/32 rows x "
-            f"{KEYS_BLOCK_N} keys for FP8, 8 warps)")
+    return (f"block {block_m}x{block_n} with {num_warps} warps (these kernels are 64x64, or for FP8 16/32 rows "
+            f"x {KEYS_BLOCK_N} keys with 8 warps or 16 rows x {WS_BLOCK_N} keys with {WS_WARPS})")
 
 
 if gluon is not None:

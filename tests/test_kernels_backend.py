@@ -204,10 +204,17 @@ def test_layer_matches_reference_gpu(kv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,next_n", [(16, 1), (16, 2), (128, 2)])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n):
+def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
     """Capture forward once; replays after new builds must equal eager forwards bitwise
     (on Hopper: h=128 and bf16 h=16 x 2 run the Gluon 64-row kernel, kernels/decode_wgmma.py;
-    FP8 h=16 the keys-on-M one, kernels/decode_wgmma_keys.py, at 16 and 32 rows)."""
+    FP8 h=16 the warp-specialised one, kernels/decode_wgmma_ws.py, at 16 rows and the keys-on-M
+    one, kernels/decode_wgmma_keys.py, at 32 -- asserted)."""
+    import kernels.decode_split as ds
+    launched = []
+    for name in ("launch_decode_wgmma", "launch_decode_wgmma_keys", "launch_decode_wgmma_ws"):
+        real = getattr(ds, name)
+        monkeypatch.setattr(ds, name, lambda *a, _real=real, _name=name, **k: (launched.append(_name),
+                                                                               _real(*a, **k))[1])
     spec = ModelSpec(num_heads=heads)
     be = make_backend(spec, device="cuda", max_blocks_per_seq=64, next_n_max=next_n)
     cases = [make_case(spec, seq_lens=s, q_lens=[min(x, next_n) for x in q], s_q=next_n, page_size=64, kv_dtype=kv,
@@ -241,6 +248,10 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n):
         ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                  q_lens=case.q_lens)
         assert_decode_close(g_out[:B], g_lse[:B], *ref, tol=TOL_GPU[torch.bfloat16])
+    if torch.cuda.get_device_capability()[0] == 9:
+        want = ("launch_decode_wgmma_ws" if next_n == 1 else "launch_decode_wgmma_keys") if (
+            kv == "fp8" and heads == 16) else (None if (kv, heads, next_n) == ("bf16", 16, 1) else "launch_decode_wgmma")
+        assert set(launched) == ({want} if want else set()), launched
 
 
 def test_decode_op_rejects_bad_plan_buffers():

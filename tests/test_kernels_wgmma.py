@@ -1,6 +1,7 @@
 """The Hopper Gluon decodes (kernels/decode_wgmma.py, 64-row blocks; kernels/decode_wgmma_keys.py,
-FP8 at up to 32 rows): when they are taken, and their results against mla_ref on the GPU
-(Gluon has no interpreter, so the CPU suite checks only the choice)."""
+FP8 at up to 32 rows; kernels/decode_wgmma_ws.py, FP8 at up to 16 rows, warp-specialised): when
+they are taken, and their results against mla_ref on the GPU (Gluon has no interpreter, so the
+CPU suite checks only the choice)."""
 from __future__ import annotations
 
 import pytest
@@ -77,6 +78,32 @@ def test_wgmma_plan_takes_fp8_few_row_blocks_of_128_keys(monkeypatch):
     assert "WGMMA_DECODE is off" in dw.wgmma_plan(_q(16, 1), fkv, block_m=16, **kw)
 
 
+def test_wgmma_plan_takes_fp8_16_row_blocks_of_64_keys_with_4_warps(monkeypatch):
+    """The warp-specialised kernel's shape: an FP8 cache with bf16 queries, every query row of
+    a request in one 16-row block, 64-key tiles, 4 (consumer) warps, on Hopper; its own
+    switch, and the keys-on-M kernel's does not turn it off."""
+    kw = dict(rank=512, rope_dim=64, block_m=16, block_n=64, num_warps=4, capability=(9, 0))
+    fkv = torch.empty(4, 64, 656, dtype=torch.uint8)
+    for heads, s_q in ((16, 1), (8, 2), (12, 1), (1, 1)):
+        assert dw.wgmma_plan(_q(heads, s_q), fkv, **kw) is None, (heads, s_q)
+    assert "32 query rows in a 16-row block" in dw.wgmma_plan(_q(16, 2), fkv, **kw)
+    assert "FP8 caches only" in dw.wgmma_plan(_q(16, 1), torch.empty(4, 64, 576, dtype=torch.bfloat16), **kw)
+    assert "queries" in dw.wgmma_plan(_q(16, 1, torch.float16), fkv, **kw)
+    assert "scale group" in dw.wgmma_plan(_q(16, 1), fkv, fp8_group=64, **kw)
+    assert "rank" in dw.wgmma_plan(_q(16, 1), torch.empty(4, 64, 256 + 8 + 128, dtype=torch.uint8),
+                                   **dict(kw, rank=256))
+    for bad in (dict(block_m=32), dict(num_warps=8), dict(block_n=32)):
+        assert "block" in dw.wgmma_plan(_q(16, 1), fkv, **dict(kw, **bad)), bad
+    assert "not Hopper" in dw.wgmma_plan(_q(16, 1), fkv, **dict(kw, capability=(10, 0)))
+    monkeypatch.setattr(dw, "WGMMA_KEYS", False)
+    assert dw.wgmma_plan(_q(16, 1), fkv, **kw) is None
+    monkeypatch.setattr(dw, "WGMMA_WS", False)
+    assert "WGMMA_WS is off" in dw.wgmma_plan(_q(16, 1), fkv, **kw)
+    monkeypatch.setattr(dw, "WGMMA_WS", True)
+    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
+    assert "WGMMA_DECODE is off" in dw.wgmma_plan(_q(16, 1), fkv, **kw)
+
+
 def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
     """A Gluon that cannot build the kernel (another Triton) is reported once and then every
     plan names the failure, so the Triton kernel runs."""
@@ -97,19 +124,24 @@ def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
 def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
     """The shipped CUDA configs of 17+ query rows (and FP8's at 16) are the shapes the Gluon
     kernels are written for, on a Hopper device (whatever GPU, if any, runs the test): FP8
-    at up to 32 rows the keys-on-M kernel's 16/32-row blocks of 128 keys, else 64 x 64 --
-    and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the 64-row blocks."""
+    at up to 16 rows the warp-specialised kernel's 16-row blocks of 64 keys with 4 warps, at
+    17-32 rows (or at 16 with ``WGMMA_WS`` off) the keys-on-M kernel's 16/32-row blocks of
+    128 keys, else 64 x 64 -- and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the
+    64-row blocks."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cases = ((128, 1, torch.bfloat16), (128, 2, torch.bfloat16), (20, 4, torch.bfloat16), (16, 2, torch.bfloat16),
-             (16, 1, torch.uint8), (16, 2, torch.uint8), (20, 1, torch.uint8), (128, 2, torch.uint8))
-    for keys in (True, False):
+             (16, 1, torch.uint8), (16, 2, torch.uint8), (20, 1, torch.uint8), (128, 2, torch.uint8),
+             (8, 2, torch.uint8))
+    for keys, ws in ((True, True), (True, False), (False, True), (False, False)):
         monkeypatch.setattr(dw, "WGMMA_KEYS", keys)
+        monkeypatch.setattr(dw, "WGMMA_WS", ws)
         for heads, s_q, kv_dtype in cases:
             fp8 = kv_dtype == torch.uint8
+            rows = heads * s_q
             cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=fp8)
-            few = keys and fp8 and heads * s_q <= 32
-            assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (
-                ((16 if heads * s_q <= 16 else 32), 128, 8) if few else (64, 64, 8)), (keys, heads, s_q, cfg)
+            few = keys and fp8 and rows <= 32
+            want = ((16, 64, 4) if ws and rows <= 16 else ((16 if rows <= 16 else 32), 128, 8)) if few else (64, 64, 8)
+            assert (cfg.block_m, cfg.block_n, cfg.num_warps) == want, (keys, ws, heads, s_q, cfg)
             _, kv = _tensors(kv_dtype=kv_dtype)
             assert dw.wgmma_plan(_q(heads, s_q), kv, rank=512, rope_dim=64, block_m=cfg.block_m,
                                  block_n=cfg.block_n, num_warps=cfg.num_warps, capability=(9, 0)) is None, cfg
@@ -138,11 +170,12 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     CUDA default configs): a long request split over many parts, lengths at and around tile
     and page boundaries, empty requests, NaN in every stale slot and padding query row; h=20
     x 4 tokens leaves padding rows in the last block. The switch decides which kernel runs
-    (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the keys-on-M kernel, the
-    rest the 64-row one)."""
+    (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the warp-specialised kernel at
+    s_q=1 and the keys-on-M one at s_q=2, the rest the 64-row one)."""
     monkeypatch.setattr(dw, "WGMMA_DECODE", on)
     calls = _spy_wgmma(monkeypatch)
     keys_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
+    ws_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
     few = kv == "fp8" and heads * s_q <= 32
@@ -158,7 +191,8 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
-    assert (len(calls), len(keys_calls)) == ((0, 1) if few else (1, 0)) if on and hopper else (0, 0)
+    want = ((0, 0, 1) if heads * s_q <= 16 else (0, 1, 0)) if few else (1, 0, 0)
+    assert (len(calls), len(keys_calls), len(ws_calls)) == (want if on and hopper else (0, 0, 0))
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
@@ -177,7 +211,9 @@ def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts,
     must undo with its per-row power of two) and the softmax scale times 2**-17, so the
     logits, and the expected result, are those of the unscaled q (powers of two: exact).
     ``parts``: the default plan (132 parts: at most a tile or two each here), or 3 parts of
-    many tiles and several requests each (the online softmax's rescaling across tiles)."""
+    many tiles and several requests each (the online softmax's rescaling across tiles). With
+    the warp-specialised kernel off, so that up to 16 rows take this one too."""
+    monkeypatch.setattr(dw, "WGMMA_WS", False)
     calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True)
@@ -202,14 +238,54 @@ def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads,s_q,page", [(16, 1, 64), (16, 1, 16), (16, 1, 128), (8, 1, 32), (8, 2, 64),
+                                            (12, 1, 64)])
+@pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
+@pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
+def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, monkeypatch):
+    """The warp-specialised FP8 kernel (kernels/decode_wgmma_ws.py: a producer partition
+    converting 64-key tiles into two shared buffers, a consumer warpgroup's dots) against
+    mla_ref at DeepSeek size, up to 16 query rows (h=12: 4 padding rows in the block; h=8 x
+    2 tokens with mixed query lengths). Lengths around its 64-key tiles and the pages, a
+    9000-key request split over many parts, empty requests (which both partitions must skip
+    alike, or their buffer hand-over goes out of step), NaN in every stale slot and padding
+    query token; ``big_q`` and ``parts`` as in the keys-on-M test (3 parts: each partition
+    crosses many requests and tiles, the buffers' phases wrap many times)."""
+    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws")
+    spec = ModelSpec(num_heads=heads)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if hopper:
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4), cfg
+    if parts:
+        cfg = cfg.with_(num_parts=parts)
+    seq = [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000]
+    ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
+    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype="fp8", seed=37,
+                     device="cuda")
+    big = 2.0 ** 17 if big_q else 1.0
+    q, scale = case.q * big, spec.softmax_scale / big
+    out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
+                                  softmax_scale=scale, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                             q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[q.dtype], what=f"h={heads} s_q={s_q} page={page} big={big_q}")
+    assert len(calls) == (1 if hopper else 0)
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel,heads,s_q,kv", [("_decode_wgmma_kernel", 128, 2, "bf16"),
-                                                 ("_decode_keys_kernel", 16, 1, "fp8")], ids=["64-row", "keys"])
+                                                 ("_decode_keys_kernel", 16, 2, "fp8"),
+                                                 ("_decode_ws_kernel", 16, 1, "fp8")], ids=["64-row", "keys", "ws"])
 def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monkeypatch):
     """A Gluon kernel failing to build (here: a resource error raised by its launch) gives a
     warning and the Triton kernel's result, for this launch and the next (the 64-row kernel
-    at h=128 bf16, the keys-on-M one at h=16 FP8: the CUDA defaults that reach each)."""
+    at h=128 bf16, the keys-on-M one at h=16 FP8 s_q=2, the warp-specialised one at h=16 FP8
+    s_q=1: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
     import kernels.decode_wgmma_keys as dk
+    import kernels.decode_wgmma_ws as dws
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
 
     class Unbuildable:
@@ -218,7 +294,8 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
                 raise OutOfResources(300000, 232448, "shared memory")
             return launch
 
-    monkeypatch.setattr(dw if kernel == "_decode_wgmma_kernel" else dk, kernel, Unbuildable())
+    module = {"_decode_wgmma_kernel": dw, "_decode_keys_kernel": dk, "_decode_ws_kernel": dws}[kernel]
+    monkeypatch.setattr(module, kernel, Unbuildable())
     spec = ModelSpec(num_heads=heads)
     case = make_case(spec, seq_lens=[700, 0, 65], q_lens=[s_q, 0, 1], s_q=s_q, page_size=64, kv_dtype=kv, seed=3,
                      device="cuda")

@@ -1,0 +1,375 @@
+"""Hopper FP8 split-KV decode for up to 16 query rows, warp-specialised: a producer partition
+converts the next key tile while a consumer warpgroup runs this one's dots (Gluon, GPU only).
+
+The same contract, plan and stores as ``decode_split._decode_split_kernel`` (grid
+``(num_parts, 1)``; a request that is not split stores ``out``/``lse``, a split one its fp32
+partial), for an FP8 cache, bf16 queries and ``s_q * h <= 16`` query rows (h=16 at s_q=1),
+with the numerics of ``decode_wgmma_keys``'s grouped path: the keys on the wgmma M axis, the
+codes converted to fp16 exactly, the group scales on the four group dots' results, q scaled
+per row by a power of two into fp16's range, ``P^T * scale_g * 2**8`` in fp16::
+
+    S^T   [64, R]   = sum_g scale_g * (K_g [64, 128] @ Q_g^T [128, R]) / qs + K_rope Q_rope^T
+    acc^T [512, R] += per group g: K_g^T [128, 64] @ (P^T * scale_g * 2**8) [64, R]
+
+Why: ``decode_wgmma_keys`` runs every step of a 128-key tile in all eight of its warps one
+after another (load issue, code conversion, QK, softmax, PV), two warps a scheduler, an issue
+slot busy about a quarter of the cycles (Nsight Compute). Here two partitions
+(``gl.warp_specialize``) do different things at once and hand 64-key tiles over through two
+shared buffers and two mbarriers a buffer (ready / empty):
+
+- the *producer* (8 warps, 128 registers a thread) walks the same requests and tiles as the
+  consumer, software-pipelined by one tile: a trip issues the loads of tile ``it`` (codes as
+  int32 words, scales, rope; into registers; its pages looked up a trip earlier) and then
+  writes tile ``it - 1`` into its buffer once the consumer has freed it -- codes as fp16,
+  scales, rope -- and marks it ready. Keys past ``seq_len`` load zeros, so a NaN-poisoned
+  stale slot never reaches a dot.
+- the *consumer* (4 warps: one warpgroup, wgmma's M = 64 keys; the launch's ``num_warps``)
+  loads q once a request, then per tile waits for a ready buffer, runs QK, the softmax and PV,
+  and marks the buffer empty.
+
+Shared memory: two buffers of a 64-key tile (fp16 codes 64 KiB, rope 8 KiB, scales 1 KiB each),
+q 18 KiB, P^T 8 KiB: 172 KiB. Registers: 12 warps at most 168 a thread; the consumer gets 248.
+
+Measured on an H100, FP8 h=16 s_q=1, against the keys-on-M kernel, same process, mean of two
+runs each (``benchmarks/results/h100-2026-11-26-wgmma-ws-ab.json``): 1.03-1.14x over B 1-128,
+L 1k-16k, 1.05-1.14x at B >= 8 (B=128, L=16k: 704 -> 654 us; B=8, L=16k 70.8 -> 62.1).
+Ablations there (timing only): the consumer alone (producers only handing buffers over) 358
+us at B=128, L=16k, the producer alone 563 -- the producer side bounds it, at about 80% of
+the copy rate by itself. Tried and not kept (same json): two 4-warp producers on alternate
+tiles without pipelining, level with the shipped one (648 vs 654 us); one such producer,
+0.87-1.06x the keys-on-M kernel (0.88x at B=128, L=16k); with two producers, the rope copied by
+``cp.async`` once the buffer is free instead of loaded with the codes, level (0.99-1.07x, runs
+in separate processes). Three buffers, which would let the producer run two tiles ahead, do not fit (245
+KiB). 17-32 rows (s_q=2) keep the keys-on-M kernel: their 32-row accumulator and group dots do
+not fit the consumer's registers as written.
+
+Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` allows it (a
+Hopper device, ``block_m`` 16 holding all the query rows, ``block_n`` 64, 4 warps, an FP8 cache
+of 128-value groups with bf16 q, the ``WGMMA_WS`` switch on); a build failure falls back to the
+Triton kernel as for the other Gluon kernels (``decode_wgmma.mark_unavailable``).
+"""
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
+    gluon = None
+
+from .gluon_parts import part_bounds, request_span
+
+__all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
+
+#: Keys a tile (one warpgroup x wgmma's 64 rows)
+WS_BLOCK_N = 64
+#: warps of the consumer (the launch's ``num_warps``; the producer adds WS_PRODUCER_WARPS)
+WS_WARPS = 4
+#: tile buffers handed between the two partitions
+WS_BUFS = 2
+#: warps of the producer partition
+WS_PRODUCER_WARPS = 8
+#: registers a producer thread gets (the consumer gets the rest of the register file)
+WS_PRODUCER_REGS = 128
+#: the kernel's register cap: (WS_WARPS + WS_PRODUCER_WARPS) warps x 32 threads x this <= 64K
+WS_MAXNREG = 168
+
+if gluon is not None:
+    from .decode_wgmma_keys import _load_codes, _pages, _store_group
+
+    @gluon.jit
+    def _load_rope(kv_ptr, page, tile, seq_len, PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,
+                   NG: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr, ROPE_L: gl.constexpr):
+        # The tile's bf16 rope [BLOCK_N, ROPE] into registers (token layout codes | scales | rope);
+        # keys past seq_len load zeros
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
+        ok = offs_n < seq_len
+        at = kv_ptr + (page.to(gl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE + RANK + 4 * NG
+        cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
+        return gl.load(at.to(gl.pointer_type(gl.bfloat16))[:, None] + cols[None, :],
+                       mask=ok[:, None] & (cols[None, :] < ROPE), other=0.0)
+
+    @gluon.jit
+    def _ws_fill(k0_s, k1_s, k2_s, k3_s, rope_s, sc0_s, sc1_s, sc2_s, sc3_s, ready, empty, it, c0, c1, c2, c3, s0, s1,
+                 s2, s3, rope, GROUP: gl.constexpr, NB: gl.constexpr):
+        # Tile number ``it`` of the part (its codes c*, scales s* and rope in registers) into buffer
+        # it % NB, once the consumer has freed it (its PV of tile it - NB is done), then marked ready
+        s = it % NB
+        mbarrier.wait(empty.index(s), ((it // NB) & 1) ^ 1)
+        rope_s.index(s).store(rope)
+        _store_group(k0_s.index(s), c0, s0, GROUP, False)
+        _store_group(k1_s.index(s), c1, s1, GROUP, False)
+        _store_group(k2_s.index(s), c2, s2, GROUP, False)
+        _store_group(k3_s.index(s), c3, s3, GROUP, False)
+        sc0_s.index(s).store(s0)
+        sc1_s.index(s).store(s1)
+        sc2_s.index(s).store(s2)
+        sc3_s.index(s).store(s3)
+        # the generic-proxy stores visible to the consumer's wgmma reads, from every producer
+        # warp, before the (single) arrival
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(s))
+
+    @gluon.jit
+    def _ws_producer(kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k0_s, k1_s, k2_s, k3_s,
+                     rope_s, sc0_s, sc1_s, sc2_s, sc3_s, ready, empty, PAGE: gl.constexpr, RANK: gl.constexpr,
+                     ROPE: gl.constexpr, GROUP: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NB: gl.constexpr):
+        # Software-pipelined by one tile: a trip issues the loads of tile ``it`` (codes and scales
+        # into registers, rope too) and only then writes tile ``it - 1`` (loaded a trip earlier)
+        # into its buffer, so a tile's loads are in flight while the previous one is converted
+        # and while the producer waits for a free buffer; the first tile's pages of a request
+        # are looked up on entry, each next tile's a trip ahead.
+        W: gl.constexpr = gl.num_warps()
+        NG: gl.constexpr = RANK // GROUP
+        # a group's codes as int32 words, four a thread (one 16-byte load)
+        DEQ_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
+                                               warps_per_cta=[W, 1], order=[1, 0])
+        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                warps_per_cta=[W, 1], order=[1, 0])
+        pid_p = gl.program_id(0)
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
+        c0 = gl.zeros([BLOCK_N, GROUP // 4], gl.int32, DEQ_L)
+        c1 = c0
+        c2 = c0
+        c3 = c0
+        s0 = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(1, DEQ_L))
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        rope = gl.zeros([BLOCK_N, ROPE], gl.bfloat16, ROPE_L)
+        it = 0
+        for b in range(b_first, b_last + 1):
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            bt_row = bt_ptr + b.to(gl.int64) * bt_stride
+            len0 = gl.where(t1 > t0, seq_len, 0)
+            pg_d = _pages(bt_row, t0, len0, PAGE, BLOCK_N, DEQ_L)
+            pg_r = _pages(bt_row, t0, len0, PAGE, BLOCK_N, ROPE_L)
+            for tile in range(t0, t1):
+                len1 = gl.where(tile + 1 < t1, seq_len, 0)
+                nx_d = _pages(bt_row, tile + 1, len1, PAGE, BLOCK_N, DEQ_L)
+                nx_r = _pages(bt_row, tile + 1, len1, PAGE, BLOCK_N, ROPE_L)
+                n0, m0 = _load_codes(kv_ptr, pg_d, tile, seq_len, 0, PAGE, RANK, GROUP, TOKEN_STRIDE, BLOCK_N, DEQ_L)
+                n1, m1 = _load_codes(kv_ptr, pg_d, tile, seq_len, 1, PAGE, RANK, GROUP, TOKEN_STRIDE, BLOCK_N, DEQ_L)
+                n2, m2 = _load_codes(kv_ptr, pg_d, tile, seq_len, 2, PAGE, RANK, GROUP, TOKEN_STRIDE, BLOCK_N, DEQ_L)
+                n3, m3 = _load_codes(kv_ptr, pg_d, tile, seq_len, 3, PAGE, RANK, GROUP, TOKEN_STRIDE, BLOCK_N, DEQ_L)
+                nrope = _load_rope(kv_ptr, pg_r, tile, seq_len, PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, ROPE_L)
+                if it > 0:
+                    _ws_fill(k0_s, k1_s, k2_s, k3_s, rope_s, sc0_s, sc1_s, sc2_s, sc3_s, ready, empty, it - 1, c0, c1,
+                             c2, c3, s0, s1, s2, s3, rope, GROUP, NB)
+                c0, c1, c2, c3 = n0, n1, n2, n3
+                s0, s1, s2, s3 = m0, m1, m2, m3
+                rope = nrope
+                pg_d = nx_d
+                pg_r = nx_r
+                it += 1
+        if it > 0:
+            _ws_fill(k0_s, k1_s, k2_s, k3_s, rope_s, sc0_s, sc1_s, sc2_s, sc3_s, ready, empty, it - 1, c0, c1, c2, c3,
+                     s0, s1, s2, s3, rope, GROUP, NB)
+
+    @gluon.jit
+    def _ws_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
+                     plse_ptr, partial_cap, qk_scale, SQ, H, k0_s, k1_s, k2_s, k3_s, rope_s, sc0_s, sc1_s, sc2_s,
+                     sc3_s, q_lat_s, q_rope_s, p0_s, p1_s, p2_s, p3_s, ready, empty, RANK: gl.constexpr,
+                     ROPE: gl.constexpr, GROUP: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NB: gl.constexpr):
+        W: gl.constexpr = gl.num_warps()
+        KT: gl.constexpr = gl.float16
+        D: gl.constexpr = RANK + ROPE
+        LN2: gl.constexpr = 0.6931471805599453
+        PV_SCALE: gl.constexpr = 256.0
+        MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
+                                                       instr_shape=[16, BLOCK_R, 16])
+        KEY_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
+        ROW_L: gl.constexpr = gl.SliceLayout(0, MMA_L)
+        Q_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+                                             warps_per_cta=[W, 1], order=[1, 0])
+        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                warps_per_cta=[W, 1], order=[1, 0])
+
+        pid_p = gl.program_id(0)
+        ROWS = SQ * H
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
+        ctx_w = gl.load(ctxw_ptr)
+        r_lat = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, Q_L))
+        r_rope = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROPE_L))
+        c_lat = gl.arange(0, RANK, layout=gl.SliceLayout(0, Q_L))
+        c_rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
+        r = gl.arange(0, BLOCK_R, layout=ROW_L)
+        c = gl.arange(0, GROUP, layout=KEY_L)
+        n = gl.arange(0, BLOCK_N, layout=KEY_L)
+        row_ok = r < ROWS
+        tok = r // H
+        head = r % H
+        ok_o = (c[:, None] < GROUP) & row_ok[None, :]
+        it = 0
+        for b in range(b_first, b_last + 1):
+            b64 = b.to(gl.int64)
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            if t1 > t0:
+                ctx = gl.load(ctx_ptr + b64 * ctx_w + tok, mask=row_ok & (tok < ctx_w), other=0)
+                # every consumer warp is done with q of the previous request
+                gl.thread_barrier()
+                q_row = q_ptr + b64 * (ROWS * D)
+                # q's latent to fp16, each row times a power of two qs = 2**k, k <= 0, that brings
+                # its max |q| under 2**15 (decode_wgmma_keys, grouped path)
+                q = gl.load(q_row + r_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
+                            mask=(r_lat < ROWS)[:, None] & (c_lat[None, :] < RANK), other=0.0).to(gl.float32)
+                bits = gl.max(q.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+                k = gl.minimum(0, 14 - ((bits >> 23) - 127))
+                qs = gl.exp2(k.to(gl.float32))
+                q_lat_s.store((q * qs[:, None]).to(gl.float16))
+                inv_qs = gl.convert_layout(1.0 / qs, ROW_L)
+                async_copy.async_copy_global_to_shared(
+                    q_rope_s, q_row + r_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
+                    mask=(r_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
+
+                m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, ROW_L)
+                l_p = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
+                a0 = gl.full([GROUP, BLOCK_R], 0.0, gl.float32, MMA_L)
+                a1 = gl.full([GROUP, BLOCK_R], 0.0, gl.float32, MMA_L)
+                a2 = gl.full([GROUP, BLOCK_R], 0.0, gl.float32, MMA_L)
+                a3 = gl.full([GROUP, BLOCK_R], 0.0, gl.float32, MMA_L)
+                for tile in range(t0, t1):
+                    s = it % NB
+                    mbarrier.wait(ready.index(s), (it // NB) & 1)
+                    k0 = sc0_s.index(s).load(KEY_L)
+                    k1 = sc1_s.index(s).load(KEY_L)
+                    k2 = sc2_s.index(s).load(KEY_L)
+                    k3 = sc3_s.index(s).load(KEY_L)
+                    z = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
+                    sr = warpgroup_mma(rope_s.index(s), q_rope_s.permute((1, 0)), z, use_acc=False, is_async=True)
+                    g0 = warpgroup_mma(k0_s.index(s), q_lat_s.slice(0, GROUP, dim=1).permute((1, 0)), z,
+                                       use_acc=False, is_async=True)
+                    g1 = warpgroup_mma(k1_s.index(s), q_lat_s.slice(GROUP, GROUP, dim=1).permute((1, 0)), z,
+                                       use_acc=False, is_async=True)
+                    g2 = warpgroup_mma(k2_s.index(s), q_lat_s.slice(2 * GROUP, GROUP, dim=1).permute((1, 0)), z,
+                                       use_acc=False, is_async=True)
+                    g3 = warpgroup_mma(k3_s.index(s), q_lat_s.slice(3 * GROUP, GROUP, dim=1).permute((1, 0)), z,
+                                       use_acc=False, is_async=True)
+                    sr, g0, g1, g2, g3 = warpgroup_mma_wait(num_outstanding=0, deps=(sr, g0, g1, g2, g3))
+                    sc = (g0 * k0[:, None] + g1 * k1[:, None] + g2 * k2[:, None] + g3 * k3[:, None])
+                    sc = (sc * inv_qs[None, :] + sr) * qk_scale
+                    offs_n = tile * BLOCK_N + n
+                    visible = (offs_n[:, None] < ctx[None, :]) & (offs_n < seq_len)[:, None]
+                    sc = gl.where(visible, sc, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+                    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_ref)
+                    p = gl.exp2(sc - m_ref[None, :])
+                    l_p = l_p * alpha[None, :] + p
+                    m_i = m_new
+                    a0 = a0 * alpha[None, :]
+                    a1 = a1 * alpha[None, :]
+                    a2 = a2 * alpha[None, :]
+                    a3 = a3 * alpha[None, :]
+                    p0_s.store((p * (k0 * PV_SCALE)[:, None]).to(KT))
+                    p1_s.store((p * (k1 * PV_SCALE)[:, None]).to(KT))
+                    p2_s.store((p * (k2 * PV_SCALE)[:, None]).to(KT))
+                    p3_s.store((p * (k3 * PV_SCALE)[:, None]).to(KT))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    a0 = warpgroup_mma(k0_s.index(s).permute((1, 0)), p0_s, a0, is_async=True)
+                    a1 = warpgroup_mma(k1_s.index(s).permute((1, 0)), p1_s, a1, is_async=True)
+                    a2 = warpgroup_mma(k2_s.index(s).permute((1, 0)), p2_s, a2, is_async=True)
+                    a3 = warpgroup_mma(k3_s.index(s).permute((1, 0)), p3_s, a3, is_async=True)
+                    a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(a0, a1, a2, a3))
+                    # every consumer warp is done reading buffer s (and P) before the arrival
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index(s))
+                    it += 1
+
+                l_i = gl.sum(l_p, axis=0)
+                has_keys = l_i > 0.0
+                l_safe = gl.where(has_keys, l_i, 1.0)
+                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                inv_l = 1.0 / (l_safe * PV_SCALE)
+                at = r.to(gl.int64)[None, :] * RANK + c[:, None]
+                if nsplit == 1:
+                    o_at = out_ptr + b64 * (ROWS * RANK) + at
+                    OT: gl.constexpr = out_ptr.dtype.element_ty
+                    gl.store(o_at, (a0 * inv_l[None, :]).to(OT), mask=ok_o)
+                    gl.store(o_at + GROUP, (a1 * inv_l[None, :]).to(OT), mask=ok_o)
+                    gl.store(o_at + 2 * GROUP, (a2 * inv_l[None, :]).to(OT), mask=ok_o)
+                    gl.store(o_at + 3 * GROUP, (a3 * inv_l[None, :]).to(OT), mask=ok_o)
+                    gl.store(lse_ptr + b64 * ROWS + head * SQ + tok, lse2 * LN2, mask=row_ok)
+                elif p_row < partial_cap:
+                    p64 = p_row.to(gl.int64)
+                    o_at = po_ptr + p64 * (ROWS * RANK) + at
+                    gl.store(o_at, a0 * inv_l[None, :], mask=ok_o)
+                    gl.store(o_at + GROUP, a1 * inv_l[None, :], mask=ok_o)
+                    gl.store(o_at + 2 * GROUP, a2 * inv_l[None, :], mask=ok_o)
+                    gl.store(o_at + 3 * GROUP, a3 * inv_l[None, :], mask=ok_o)
+                    gl.store(plse_ptr + p64 * ROWS + r, lse2, mask=row_ok)
+
+    @gluon.jit
+    def _decode_ws_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
+                          out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
+                          PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
+                          TOKEN_STRIDE: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        gl.static_assert(BLOCK_N == 16 * gl.num_warps())
+        gl.static_assert(RANK // GROUP == 4)
+        QT: gl.constexpr = q_ptr.dtype.element_ty
+        KT: gl.constexpr = gl.float16
+        K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP], KT)
+        ROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], QT)
+        QLAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, RANK], KT)
+        QROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, ROPE], QT)
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], KT)
+        SC_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        # NB buffers of a tile: the codes as fp16, one allocation per scale group; rope; scales
+        k0_s = gl.allocate_shared_memory(KT, [NB, BLOCK_N, GROUP], K_SH)
+        k1_s = gl.allocate_shared_memory(KT, [NB, BLOCK_N, GROUP], K_SH)
+        k2_s = gl.allocate_shared_memory(KT, [NB, BLOCK_N, GROUP], K_SH)
+        k3_s = gl.allocate_shared_memory(KT, [NB, BLOCK_N, GROUP], K_SH)
+        rope_s = gl.allocate_shared_memory(QT, [NB, BLOCK_N, ROPE], ROPE_SH)
+        sc0_s = gl.allocate_shared_memory(gl.float32, [NB, BLOCK_N], SC_SH)
+        sc1_s = gl.allocate_shared_memory(gl.float32, [NB, BLOCK_N], SC_SH)
+        sc2_s = gl.allocate_shared_memory(gl.float32, [NB, BLOCK_N], SC_SH)
+        sc3_s = gl.allocate_shared_memory(gl.float32, [NB, BLOCK_N], SC_SH)
+        q_lat_s = gl.allocate_shared_memory(KT, [BLOCK_R, RANK], QLAT_SH)
+        q_rope_s = gl.allocate_shared_memory(QT, [BLOCK_R, ROPE], QROPE_SH)
+        p0_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+        p1_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+        p2_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+        p3_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NB):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_ws_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
+                            plse_ptr, partial_cap, qk_scale, SQ, H, k0_s, k1_s, k2_s, k3_s, rope_s, sc0_s, sc1_s,
+                            sc2_s, sc3_s, q_lat_s, q_rope_s, p0_s, p1_s, p2_s, p3_s, ready, empty, RANK, ROPE, GROUP,
+                            BLOCK_R, BLOCK_N, NB)),
+            (_ws_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k0_s, k1_s, k2_s, k3_s,
+                            rope_s, sc0_s, sc1_s, sc2_s, sc3_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE,
+                            BLOCK_N, NB)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def launch_decode_wgmma_ws(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
+                           split_offsets, out, lse, partial_o, partial_lse, *, softmax_scale_log2: float,
+                           rank: int, rope_dim: int, fp8_group: int, block_m: int, block_n: int) -> None:
+    """Launch this kernel (arguments as ``decode_split.launch_decode_split``; the caller has
+    checked ``decode_wgmma.wgmma_plan``). Shapes: q ``[B, s_q, h, rank + rope]`` bf16 with
+    ``s_q * h <= block_m`` (16); kv_cache uint8 ``[num_blocks, page, rank + 4 * groups + 2 *
+    rope]``; block_n 64; the rest as the Triton launcher."""
+    num_parts = part_info.shape[0] - 1
+    _decode_ws_kernel[(num_parts, 1)](
+        q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
+        out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2,
+        q.shape[1], q.shape[2], PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group,
+        TOKEN_STRIDE=kv_cache.shape[-1], BLOCK_R=block_m, BLOCK_N=block_n, NB=WS_BUFS, PRODUCER_WARPS=WS_PRODUCER_WARPS,
+        PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
