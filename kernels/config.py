@@ -820,8 +820,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
                 # up to 16 rows: the warp-specialised one (kernels/decode_wgmma_ws.py; a producer
                 # warpgroup converts 64-key tiles for a consumer warpgroup's dots), parts of four
                 # tiles (the same 256 keys): 1.03-1.14x the keys-on-M kernel over B 1-128, L 1k-16k,
-                # 1.05-1.14x at B >= 8 (h100-2026-11-26-wgmma-ws-ab.json); parts of two tiles split
-                # B=1, L=16k over twice the pieces (0.77x there)
+                # 1.05-1.14x at B >= 8 (h100-2026-11-26-wgmma-ws-ab.json; in the full grid, old and
+                # new code in one command: 1.04-1.14x, h100-2026-11-26-kernel-15*.json); parts of two tiles split
+                # B=1, L=16k over twice the pieces (0.76x there)
                 block_n, warps, min_tiles = 64, 4, 4
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)

@@ -32,7 +32,9 @@ q 18 KiB, P^T 8 KiB: 172 KiB. Registers: 12 warps at most 168 a thread; the cons
 
 Measured on an H100, FP8 h=16 s_q=1, against the keys-on-M kernel, same process, mean of two
 runs each (``benchmarks/results/h100-2026-11-26-wgmma-ws-ab.json``): 1.03-1.14x over B 1-128,
-L 1k-16k, 1.05-1.14x at B >= 8 (B=128, L=16k: 704 -> 654 us; B=8, L=16k 70.8 -> 62.1).
+L 1k-16k, 1.05-1.14x at B >= 8 (B=128, L=16k: 704 -> 654 us; B=8, L=16k 70.8 -> 62.1); in the
+full grid, old (5836a6e) and new code in one command (``h100-2026-11-26-kernel-15*.json``),
+1.04-1.14x, geo-mean 1.08, every other case 0.98-1.03x.
 Ablations there (timing only): the consumer alone (producers only handing buffers over) 358
 us at B=128, L=16k, the producer alone 563 -- the producer side bounds it, at about 80% of
 the copy rate by itself. Tried and not kept (same json): two 4-warp producers on alternate
