@@ -174,26 +174,26 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
         return None
     if (block_m, block_n, num_warps) == (16, WS_BLOCK_N, WS_WARPS):
         # the warp-specialised few-row FP8 kernel (kernels/decode_wgmma_ws.py)
-        if not WGMMA_WS:
-            return "WGMMA_WS is off"
-        if kv_cache.dtype != torch.uint8:
-            return f"block {block_m}x{block_n}: the warp-specialised kernel takes FP8 caches only"
-        if q.shape[1] * q.shape[2] > block_m:
-            return (f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the warp-specialised "
-                    f"kernel takes one block)")
-        return None
+        return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_WS", WGMMA_WS, "warp-specialised")
     if block_n == KEYS_BLOCK_N and block_m in (16, 32) and num_warps == 8:
         # the few-row FP8 kernel, keys on the wgmma M axis (kernels/decode_wgmma_keys.py)
-        if not WGMMA_KEYS:
-            return "WGMMA_KEYS is off"
-        if kv_cache.dtype != torch.uint8:
-            return f"block {block_m}x{block_n}: the keys-on-M kernel takes FP8 caches only"
-        if q.shape[1] * q.shape[2] > block_m:
-            return (f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the keys-on-M kernel "
-                    f"takes one block)")
-        return None
+        return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_KEYS", WGMMA_KEYS, "keys-on-M")
     return (f"block {block_m}x{block_n} with {num_warps} warps (these kernels are 64x64, or for FP8 16/32 rows "
             f"x {KEYS_BLOCK_N} keys with 8 warps or 16 rows x {WS_BLOCK_N} keys with {WS_WARPS})")
+
+
+def _few_row_reason(q: torch.Tensor, kv_cache: torch.Tensor, block_m: int, block_n: int, switch: str, on: bool,
+                    kernel: str) -> Optional[str]:
+    """``wgmma_plan``'s checks for a few-row FP8 kernel (the shape already matched): its
+    switch ``switch`` (value ``on``), an FP8 cache, and every query row of a request in the
+    one ``block_m``-row block. None, or the reason naming ``kernel``."""
+    if not on:
+        return f"{switch} is off"
+    if kv_cache.dtype != torch.uint8:
+        return f"block {block_m}x{block_n}: the {kernel} kernel takes FP8 caches only"
+    if q.shape[1] * q.shape[2] > block_m:
+        return f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the {kernel} kernel takes one block)"
+    return None
 
 
 if gluon is not None:

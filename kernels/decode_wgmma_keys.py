@@ -80,7 +80,7 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import part_bounds, request_span
+from .gluon_parts import part_bounds, q_rows_to_fp16, request_span, softmax_keys_step, store_keys_result
 
 __all__ = ["launch_decode_wgmma_keys", "KEYS_BLOCK_N"]
 
@@ -221,7 +221,6 @@ if gluon is not None:
             KT: gl.constexpr = QT
         D: gl.constexpr = RANK + ROPE
         NG: gl.constexpr = RANK // GROUP
-        LN2: gl.constexpr = 0.6931471805599453
         PV_SCALE: gl.constexpr = 256.0
         # [8, 1]: the warpgroups split M (keys in S^T, latent columns in acc^T); N is the q rows
         MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -275,8 +274,6 @@ if gluon is not None:
         n = gl.arange(0, BLOCK_N, layout=KEY_L)
         row_ok = r < ROWS
         tok = r // H
-        head = r % H
-        ok_o = (c[:, None] < GROUP) & row_ok[None, :]
 
         for b in range(b_first, b_last + 1):
             b64 = b.to(gl.int64)
@@ -295,11 +292,7 @@ if gluon is not None:
                     # brings its max |q| under 2**15 (decode_split module doc, "FP16 dots"): k =
                     # min(0, 14 - E), E the exponent of the row max from the fp32 bits (a NaN or
                     # inf row: E = 128; a zero or padding row: k = 0)
-                    q = gl.load(q_at, mask=q_ok, other=0.0).to(gl.float32)
-                    bits = gl.max(q.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-                    k = gl.minimum(0, 14 - ((bits >> 23) - 127))
-                    qs = gl.exp2(k.to(gl.float32))
-                    q_lat_s.store((q * qs[:, None]).to(gl.float16))
+                    qs = q_rows_to_fp16(q_at, q_ok, q_lat_s)
                     inv_qs = gl.convert_layout(1.0 / qs, ROW_L)
                 else:
                     async_copy.async_copy_global_to_shared(q_lat_s, q_at, mask=q_ok)
@@ -387,17 +380,8 @@ if gluon is not None:
                                           is_async=True)
                         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-                    offs_n = tile * BLOCK_N + n
-                    s = s * qk_scale
-                    visible = (offs_n[:, None] < ctx[None, :]) & (offs_n < seq_len)[:, None]
-                    s = gl.where(visible, s, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(s, axis=0))
-                    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_ref)
-                    p = gl.exp2(s - m_ref[None, :])
                     # the row sums are kept per key slot and reduced once, after the loop
-                    l_p = l_p * alpha[None, :] + p
-                    m_i = m_new
+                    p, alpha, m_i, l_p = softmax_keys_step(s * qk_scale, m_i, l_p, ctx, tile * BLOCK_N + n, seq_len)
                     a0 = a0 * alpha[None, :]
                     a1 = a1 * alpha[None, :]
                     a2 = a2 * alpha[None, :]
@@ -438,23 +422,8 @@ if gluon is not None:
                     inv_l = 1.0 / (l_safe * PV_SCALE)
                 else:
                     inv_l = 1.0 / l_safe
-                at = r.to(gl.int64)[None, :] * RANK + c[:, None]
-                if nsplit == 1:
-                    o_at = out_ptr + b64 * (ROWS * RANK) + at
-                    OT: gl.constexpr = out_ptr.dtype.element_ty
-                    gl.store(o_at, (a0 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(o_at + GROUP, (a1 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(o_at + 2 * GROUP, (a2 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(o_at + 3 * GROUP, (a3 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(lse_ptr + b64 * ROWS + head * SQ + tok, lse2 * LN2, mask=row_ok)
-                elif p_row < partial_cap:
-                    p64 = p_row.to(gl.int64)
-                    o_at = po_ptr + p64 * (ROWS * RANK) + at
-                    gl.store(o_at, a0 * inv_l[None, :], mask=ok_o)
-                    gl.store(o_at + GROUP, a1 * inv_l[None, :], mask=ok_o)
-                    gl.store(o_at + 2 * GROUP, a2 * inv_l[None, :], mask=ok_o)
-                    gl.store(o_at + 3 * GROUP, a3 * inv_l[None, :], mask=ok_o)
-                    gl.store(plse_ptr + p64 * ROWS + r, lse2, mask=row_ok)
+                store_keys_result(a0, a1, a2, a3, inv_l, lse2, r, c, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
+                                  po_ptr, plse_ptr, ROWS, SQ, H, RANK, GROUP)
 
 
 def launch_decode_wgmma_keys(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,

@@ -61,7 +61,7 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import part_bounds, request_span
+from .gluon_parts import part_bounds, q_rows_to_fp16, request_span, softmax_keys_step, store_keys_result
 
 __all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
 
@@ -182,7 +182,6 @@ if gluon is not None:
         W: gl.constexpr = gl.num_warps()
         KT: gl.constexpr = gl.float16
         D: gl.constexpr = RANK + ROPE
-        LN2: gl.constexpr = 0.6931471805599453
         PV_SCALE: gl.constexpr = 256.0
         MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
                                                        instr_shape=[16, BLOCK_R, 16])
@@ -206,8 +205,6 @@ if gluon is not None:
         n = gl.arange(0, BLOCK_N, layout=KEY_L)
         row_ok = r < ROWS
         tok = r // H
-        head = r % H
-        ok_o = (c[:, None] < GROUP) & row_ok[None, :]
         it = 0
         for b in range(b_first, b_last + 1):
             b64 = b.to(gl.int64)
@@ -220,12 +217,8 @@ if gluon is not None:
                 q_row = q_ptr + b64 * (ROWS * D)
                 # q's latent to fp16, each row times a power of two qs = 2**k, k <= 0, that brings
                 # its max |q| under 2**15 (decode_wgmma_keys, grouped path)
-                q = gl.load(q_row + r_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
-                            mask=(r_lat < ROWS)[:, None] & (c_lat[None, :] < RANK), other=0.0).to(gl.float32)
-                bits = gl.max(q.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-                k = gl.minimum(0, 14 - ((bits >> 23) - 127))
-                qs = gl.exp2(k.to(gl.float32))
-                q_lat_s.store((q * qs[:, None]).to(gl.float16))
+                qs = q_rows_to_fp16(q_row + r_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
+                                    (r_lat < ROWS)[:, None] & (c_lat[None, :] < RANK), q_lat_s)
                 inv_qs = gl.convert_layout(1.0 / qs, ROW_L)
                 async_copy.async_copy_global_to_shared(
                     q_rope_s, q_row + r_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
@@ -261,15 +254,7 @@ if gluon is not None:
                     sr, g0, g1, g2, g3 = warpgroup_mma_wait(num_outstanding=0, deps=(sr, g0, g1, g2, g3))
                     sc = (g0 * k0[:, None] + g1 * k1[:, None] + g2 * k2[:, None] + g3 * k3[:, None])
                     sc = (sc * inv_qs[None, :] + sr) * qk_scale
-                    offs_n = tile * BLOCK_N + n
-                    visible = (offs_n[:, None] < ctx[None, :]) & (offs_n < seq_len)[:, None]
-                    sc = gl.where(visible, sc, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(sc, axis=0))
-                    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_ref)
-                    p = gl.exp2(sc - m_ref[None, :])
-                    l_p = l_p * alpha[None, :] + p
-                    m_i = m_new
+                    p, alpha, m_i, l_p = softmax_keys_step(sc, m_i, l_p, ctx, tile * BLOCK_N + n, seq_len)
                     a0 = a0 * alpha[None, :]
                     a1 = a1 * alpha[None, :]
                     a2 = a2 * alpha[None, :]
@@ -295,23 +280,8 @@ if gluon is not None:
                 l_safe = gl.where(has_keys, l_i, 1.0)
                 lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
                 inv_l = 1.0 / (l_safe * PV_SCALE)
-                at = r.to(gl.int64)[None, :] * RANK + c[:, None]
-                if nsplit == 1:
-                    o_at = out_ptr + b64 * (ROWS * RANK) + at
-                    OT: gl.constexpr = out_ptr.dtype.element_ty
-                    gl.store(o_at, (a0 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(o_at + GROUP, (a1 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(o_at + 2 * GROUP, (a2 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(o_at + 3 * GROUP, (a3 * inv_l[None, :]).to(OT), mask=ok_o)
-                    gl.store(lse_ptr + b64 * ROWS + head * SQ + tok, lse2 * LN2, mask=row_ok)
-                elif p_row < partial_cap:
-                    p64 = p_row.to(gl.int64)
-                    o_at = po_ptr + p64 * (ROWS * RANK) + at
-                    gl.store(o_at, a0 * inv_l[None, :], mask=ok_o)
-                    gl.store(o_at + GROUP, a1 * inv_l[None, :], mask=ok_o)
-                    gl.store(o_at + 2 * GROUP, a2 * inv_l[None, :], mask=ok_o)
-                    gl.store(o_at + 3 * GROUP, a3 * inv_l[None, :], mask=ok_o)
-                    gl.store(plse_ptr + p64 * ROWS + r, lse2, mask=row_ok)
+                store_keys_result(a0, a1, a2, a3, inv_l, lse2, r, c, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
+                                  po_ptr, plse_ptr, ROWS, SQ, H, RANK, GROUP)
 
     @gluon.jit
     def _decode_ws_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,

@@ -1,4 +1,4 @@
-"""The plan-row reads shared by the Gluon decode kernels (``decode_wgmma``, ``decode_wgmma_keys``).
+"""Pieces shared by the Gluon decode kernels (``decode_wgmma``, ``decode_wgmma_keys``, ``decode_wgmma_ws``).
 
 The planner (``kernels/planner.py``) writes ``part_info`` ``[num_parts + 1, 3]`` int32: part
 ``p`` covers the key tiles from row ``p``'s ``(request, tile, piece)`` to row ``p + 1``'s.
@@ -6,6 +6,11 @@ A decode program walks the requests of its part and, for each, needs the tiles i
 the request's piece count and the row of its fp32 partial. The Triton kernels inline these
 lines (under the interpreter a nested jit call costs more than the lines,
 ``decode_split`` module doc); the Gluon kernels, GPU-only, share them here.
+
+The two few-row FP8 kernels (keys on the wgmma M axis: scores ``S^T [keys, rows]``, the
+accumulator ``acc^T [512, rows]`` in four ``[128, rows]`` parts, one per scale group) also
+share q's conversion to fp16, the online-softmax step down the key axis and the stores of
+a request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
-__all__ = ["part_bounds", "request_span"]
+__all__ = ["part_bounds", "request_span", "q_rows_to_fp16", "softmax_keys_step", "store_keys_result"]
 
 if gluon is not None:
 
@@ -48,3 +53,64 @@ if gluon is not None:
         nsplit = gl.load(nsplit_ptr + b)
         p_row = gl.load(off_ptr + b) + gl.where(b == b_first, j_first, 0)
         return seq_len, t0, t1, nsplit, p_row
+
+    @gluon.jit
+    def q_rows_to_fp16(q_at, q_ok, q_lat_s):
+        """q's latent ``[R, RANK]`` (pointers ``q_at`` / mask ``q_ok``, bf16) into ``q_lat_s`` as
+        fp16, each row times a power of two ``qs = 2**k``, ``k <= 0``, that brings its max |q|
+        under 2**15 (``decode_split`` module doc, "FP16 dots"): ``k = min(0, 14 - E)``, E the
+        exponent of the row max from the fp32 bits (a NaN or inf row: E = 128; a zero or
+        padding row: k = 0). Returns ``qs`` (fp32 ``[R]``, the rows' slice of the load layout)."""
+        q = gl.load(q_at, mask=q_ok, other=0.0).to(gl.float32)
+        bits = gl.max(q.to(gl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        k = gl.minimum(0, 14 - ((bits >> 23) - 127))
+        qs = gl.exp2(k.to(gl.float32))
+        q_lat_s.store((q * qs[:, None]).to(gl.float16))
+        return qs
+
+    @gluon.jit
+    def softmax_keys_step(s, m_i, l_p, ctx, offs_n, seq_len):
+        """One tile of the online softmax down the key axis of ``S^T`` (fp32 ``[keys, R]``,
+        already times ``softmax_scale * log2(e)``): keys ``offs_n`` (``[keys]``) past ``seq_len``
+        or, per query row, past its context ``ctx`` (``[R]``) are masked; ``m_i`` (``[R]``) the
+        running max, ``l_p`` (``[keys, R]``) the running sums kept per key slot (reduced once,
+        after the loop). Returns ``(p, alpha, m_new, l_p)``: ``p = exp2(S - m_new)`` and the
+        factor ``alpha`` (``[R]``) by which the accumulator is to be rescaled."""
+        visible = (offs_n[:, None] < ctx[None, :]) & (offs_n < seq_len)[:, None]
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[None, :])
+        l_p = l_p * alpha[None, :] + p
+        return p, alpha, m_new, l_p
+
+    @gluon.jit
+    def store_keys_result(a0, a1, a2, a3, inv_l, lse2, r, c, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
+                          po_ptr, plse_ptr, ROWS, SQ, H, RANK: gl.constexpr, GROUP: gl.constexpr):
+        """A request's result from the four group parts ``a*`` of ``acc^T`` (fp32 ``[GROUP, R]``,
+        rows ``r`` = ``token * H + head``, columns ``c`` within a group), times ``inv_l``
+        (``[R]``), with its log2-sum-exp ``lse2``: an unsplit request (``nsplit == 1``) stores
+        ``out`` (its dtype, ``[B, s_q, h, RANK]``) and ``lse`` (natural log, ``[B, h, s_q]``); a
+        split one its fp32 partial row ``p_row`` (``[cap, ROWS, RANK]``, log2 lse ``[cap, ROWS]``)
+        while ``p_row < partial_cap``."""
+        LN2: gl.constexpr = 0.6931471805599453
+        row_ok = r < ROWS
+        ok_o = (c[:, None] < GROUP) & row_ok[None, :]
+        at = r.to(gl.int64)[None, :] * RANK + c[:, None]
+        if nsplit == 1:
+            o_at = out_ptr + b64 * (ROWS * RANK) + at
+            OT: gl.constexpr = out_ptr.dtype.element_ty
+            gl.store(o_at, (a0 * inv_l[None, :]).to(OT), mask=ok_o)
+            gl.store(o_at + GROUP, (a1 * inv_l[None, :]).to(OT), mask=ok_o)
+            gl.store(o_at + 2 * GROUP, (a2 * inv_l[None, :]).to(OT), mask=ok_o)
+            gl.store(o_at + 3 * GROUP, (a3 * inv_l[None, :]).to(OT), mask=ok_o)
+            gl.store(lse_ptr + b64 * ROWS + (r % H) * SQ + r // H, lse2 * LN2, mask=row_ok)
+        elif p_row < partial_cap:
+            p64 = p_row.to(gl.int64)
+            o_at = po_ptr + p64 * (ROWS * RANK) + at
+            gl.store(o_at, a0 * inv_l[None, :], mask=ok_o)
+            gl.store(o_at + GROUP, a1 * inv_l[None, :], mask=ok_o)
+            gl.store(o_at + 2 * GROUP, a2 * inv_l[None, :], mask=ok_o)
+            gl.store(o_at + 3 * GROUP, a3 * inv_l[None, :], mask=ok_o)
+            gl.store(plse_ptr + p64 * ROWS + r, lse2, mask=row_ok)

@@ -8,13 +8,18 @@ import sys
 import pytest
 
 
+def _load_benchmark(monkeypatch, name):
+    """``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repo root first
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _load_kernel_bench(monkeypatch):
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repo root first
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "kernel_bench.py")
-    spec = importlib.util.spec_from_file_location("_kernel_bench", path)
-    kb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kb)
-    return kb
+    return _load_benchmark(monkeypatch, "kernel_bench")
 
 
 def test_ceiling_is_best_of_trials_and_every_trial_is_logged(monkeypatch):
@@ -30,19 +35,10 @@ def test_ceiling_is_best_of_trials_and_every_trial_is_logged(monkeypatch):
     assert kb.RATE_TRIALS >= 3
 
 
-def _load_replay_timing(monkeypatch):
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "replay_timing.py")
-    spec = importlib.util.spec_from_file_location("_replay_timing", path)
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
-    return rt
-
-
 def test_read_reference_refuses_more_bytes_than_its_buffer(monkeypatch):
     """A read reference longer than its buffer would time a shorter read than the case's:
     it must refuse, not clip."""
-    rt = _load_replay_timing(monkeypatch)
+    rt = _load_benchmark(monkeypatch, "replay_timing")
     flush = type("F", (), {"clean": lambda self: None})()
     ref = rt.ReadReference(1000, flush, device="cpu")
     with pytest.raises(ValueError, match="exceeds its buffer"):
@@ -55,7 +51,7 @@ def test_replay_timing_flushes_before_every_timed_run_gpu(monkeypatch):
     the previous one's lines in L2."""
     import torch
 
-    rt = _load_replay_timing(monkeypatch)
+    rt = _load_benchmark(monkeypatch, "replay_timing")
     order = []
     x = torch.ones(1 << 20, device="cuda")
     ms = rt.median_replay_ms(lambda: order.append("run") or x.sum(), lambda: order.append("flush"), warmup=3, reps=5)

@@ -196,6 +196,27 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
+def _check_fp8_few_rows(spec, cfg, s_q, page, big_q, parts, seq, seed):
+    """One FP8 case of the few-row kernels' tests against mla_ref: requests of ``seq`` keys
+    (every third with one query token, empty ones with none), NaN in every stale slot and
+    padding token; ``big_q``: q times 2**17 and the softmax scale times 2**-17 (the expected
+    result is the unscaled one: powers of two are exact); ``parts``: that many parts instead
+    of ``cfg``'s."""
+    if parts:
+        cfg = cfg.with_(num_parts=parts)
+    ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
+    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype="fp8", seed=seed,
+                     device="cuda")
+    big = 2.0 ** 17 if big_q else 1.0
+    q, scale = case.q * big, spec.softmax_scale / big
+    out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
+                                  softmax_scale=scale, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                             q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[q.dtype],
+                        what=f"h={spec.num_heads} s_q={s_q} page={page} big={big_q}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,s_q,page", [(16, 1, 64), (16, 1, 16), (16, 1, 128), (8, 1, 32), (16, 2, 64),
                                             (16, 2, 128), (20, 1, 32), (8, 4, 64)])
@@ -220,19 +241,7 @@ def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts,
     hopper = torch.cuda.get_device_capability()[0] == 9
     if hopper:
         assert (cfg.block_m, cfg.block_n) == ((16 if heads * s_q <= 16 else 32), 128), cfg
-    if parts:
-        cfg = cfg.with_(num_parts=parts)
-    seq = [9000, 1, 0, 63, 64, 65, 127, 128, 129, 257, 2000]
-    ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
-    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype="fp8", seed=31,
-                     device="cuda")
-    big = 2.0 ** 17 if big_q else 1.0
-    q, scale = case.q * big, spec.softmax_scale / big
-    out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
-                                  softmax_scale=scale, config=cfg)
-    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                             q_lens=case.q_lens)
-    assert_decode_close(out, lse, *ref, tol=TOL_GPU[q.dtype], what=f"h={heads} s_q={s_q} page={page} big={big_q}")
+    _check_fp8_few_rows(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 257, 2000], 31)
     assert len(calls) == (1 if hopper else 0)
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
@@ -257,19 +266,8 @@ def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, m
     hopper = torch.cuda.get_device_capability()[0] == 9
     if hopper:
         assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4), cfg
-    if parts:
-        cfg = cfg.with_(num_parts=parts)
-    seq = [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000]
-    ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
-    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype="fp8", seed=37,
-                     device="cuda")
-    big = 2.0 ** 17 if big_q else 1.0
-    q, scale = case.q * big, spec.softmax_scale / big
-    out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
-                                  softmax_scale=scale, config=cfg)
-    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                             q_lens=case.q_lens)
-    assert_decode_close(out, lse, *ref, tol=TOL_GPU[q.dtype], what=f"h={heads} s_q={s_q} page={page} big={big_q}")
+    _check_fp8_few_rows(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000],
+                        37)
     assert len(calls) == (1 if hopper else 0)
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
