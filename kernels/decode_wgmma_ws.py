@@ -41,7 +41,8 @@ the copy rate by itself. Tried and not kept (same json): two 4-warp producers on
 tiles without pipelining, level with the shipped one (648 vs 654 us); one such producer,
 0.87-1.06x the keys-on-M kernel (0.88x at B=128, L=16k); with two producers, the rope copied by
 ``cp.async`` once the buffer is free instead of loaded with the codes, level (0.99-1.07x, runs
-in separate processes). Three buffers, which would let the producer run two tiles ahead, do not fit (245
+in separate processes); the producer asking L2 for the next tile's rows a trip ahead
+(``cp.async.bulk.prefetch.L2``, a row a key), 0.89-1.00x. Three buffers, which would let the producer run two tiles ahead, do not fit (245
 KiB). 17-32 rows (s_q=2) keep the keys-on-M kernel: their 32-row accumulator and group dots do
 not fit the consumer's registers as written.
 
