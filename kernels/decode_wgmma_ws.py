@@ -44,10 +44,10 @@ tiles without pipelining, level with the shipped one (648 vs 654 us); one such p
 in separate processes); the producer asking L2 for the next tile's rows a trip ahead
 (``cp.async.bulk.prefetch.L2``, a row a key), 0.89-1.00x. Three buffers, which would let the
 producer run two tiles ahead, do not fit (245 KiB), nor a second tile of registers in the
-producer next to a consumer that needs ~200. 17-32 rows (s_q=2) keep the keys-on-M kernel:
-compiled for 32 rows, this one spills ~650 bytes a consumer thread (its accumulator alone is
-128 registers), also with the group dots waited two at a time and q converted a scale group
-at a time.
+producer next to a consumer that already spills at 200 (compiled for sm_90). 17-32 rows
+(s_q=2) keep the keys-on-M kernel: compiled for 32 rows, this one spills ~650 bytes a consumer
+thread (its accumulator alone is 128 registers), also with the group dots waited two at a
+time and q converted a scale group at a time.
 
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` allows it (a
 Hopper device, ``block_m`` 16 holding all the query rows, ``block_n`` 64, 4 warps, an FP8 cache
