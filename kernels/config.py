@@ -793,7 +793,8 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
             # 0.99-1.23x the Triton kernel's 128-key default above (h100-2026-11-26-wgmma-ab-fp8.json;
             # bf16 keeps its tiles, already 64 keys). Parts of two tiles, the 128 keys of the
             # former parts of one: parts of one 64-key tile split B=1, L=4k (h=128, s_q=1) over
-            # twice the pieces and ran 0.89x (h100-2026-11-26-kernel-9-*.json)
+            # twice the pieces and ran 0.89x (h100-2026-11-26-kernel-9-*.json). These blocks now
+            # run the warp-specialised kernels/decode_wgmma_ws64.py (decode_wgmma.ws64_taken)
             block_n, min_tiles = 64, 2
     if not sparse and _wgmma_device(device) and rows <= 32 and (fp8 or rows > 16):
         # Hopper, h=16 (FP8 at s_q 1-2, bf16 at s_q=2): the Gluon 64-row kernel too, its

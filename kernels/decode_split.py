@@ -205,8 +205,10 @@ Hopper at 64-row blocks. On a GPU of compute capability 9.x, a launch of 64-row 
 64-key tiles runs the Gluon kernel of ``kernels/decode_wgmma.py`` instead of this one (its
 ``wgmma_plan`` decides; ``WGMMA_DECODE`` switches it off): it splits both dots over the two
 warpgroups, hands P over through shared memory and keeps the PV dot in flight across the next
-tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc). There the CUDA
-defaults (``config.default_config``) give it h=128 (bf16, fp16, FP8) and h=16 bf16 at s_q=2,
+tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc); FP8 blocks go to its
+warp-specialised counterpart, ``kernels/decode_wgmma_ws64.py`` (a producer partition
+dequantises the next tile while the dots run). There the CUDA defaults
+(``config.default_config``) give them h=128 (bf16, fp16, FP8) and h=16 bf16 at s_q=2,
 padding rows and all; h=16 FP8 (16-32 rows, bf16 queries) takes the few-row Gluon kernel of
 ``kernels/decode_wgmma_keys.py`` (16/32-row blocks of 128-key tiles; the same plan, keys on
 the wgmma M axis). This kernel still serves every other launch (h=16 bf16 at s_q=1, fp16
@@ -279,9 +281,10 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .decode_wgmma import launch_decode_wgmma, mark_unavailable, wgmma_plan
+from .decode_wgmma import launch_decode_wgmma, mark_unavailable, wgmma_plan, ws64_taken
 from .decode_wgmma_keys import launch_decode_wgmma_keys
 from .decode_wgmma_ws import launch_decode_wgmma_ws
+from .decode_wgmma_ws64 import launch_decode_wgmma_ws64
 from .rounding import to_out
 
 try:  # Triton's compile / resource errors (a Gluon kernel that fails to build, below)
@@ -934,14 +937,16 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     fp8 = kv_cache.dtype == torch.uint8
     if not dot_f32 and wgmma_plan(q, kv_cache, rank=rank, rope_dim=rope_dim, block_m=block_m, block_n=block_n,
                                   num_warps=num_warps, fp8_group=fp8_group) is None:
-        # Hopper: a Gluon kernel -- 64-row blocks the one of kernels/decode_wgmma.py; FP8 few-row
-        # blocks of 4 warps the warp-specialised one (decode_wgmma_ws.py), of 8 warps the
-        # keys-on-M one (decode_wgmma_keys.py). A build failure (compile or resources: raised
-        # before anything is launched) sends this and every later launch to this kernel, with
-        # a warning
+        # Hopper: a Gluon kernel -- 64-row blocks the one of kernels/decode_wgmma.py, FP8 ones
+        # the warp-specialised decode_wgmma_ws64.py; FP8 few-row blocks of 4 warps the
+        # warp-specialised decode_wgmma_ws.py, of 8 warps the keys-on-M decode_wgmma_keys.py. A
+        # build failure (compile or resources: raised before anything is launched) sends this
+        # and every later launch to this kernel, with a warning
         try:
-            launch = (launch_decode_wgmma if block_m == 64 else
-                      launch_decode_wgmma_ws if num_warps == 4 else launch_decode_wgmma_keys)
+            if block_m == 64:
+                launch = launch_decode_wgmma_ws64 if ws64_taken(kv_cache) else launch_decode_wgmma
+            else:
+                launch = launch_decode_wgmma_ws if num_warps == 4 else launch_decode_wgmma_keys
             launch(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                    split_offsets, out, lse, partial_o, partial_lse, softmax_scale_log2=float(softmax_scale) * _LOG2E,
                    rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n)

@@ -73,7 +73,9 @@ the second needs warp-specialised partitions.
 Taken by ``decode_split.launch_decode_split`` when ``wgmma_plan`` says so (CUDA device of
 compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 + rope 64,
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
-``WGMMA_DECODE`` switch on); on such a device ``config.default_config`` gives it h=128 (bf16,
+``WGMMA_DECODE`` switch on) -- except FP8 launches while ``WGMMA_WS64`` is on, which the
+warp-specialised ``kernels/decode_wgmma_ws64.py`` runs instead (its producer partition
+dequantises the next tile while the dots run: 1.06-1.30x this kernel's FP8 at h=128); on such a device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles) and h=16 bf16 at s_q=2 (32 query rows in a 64-row block, the rest
 masked padding; the part sizes are in that function). h=16 FP8 takes a few-row kernel
 instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the warp-specialised one of
@@ -106,7 +108,7 @@ from .decode_wgmma_keys import KEYS_BLOCK_N
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
 from .gluon_parts import part_bounds, request_span
 
-__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "wgmma_plan", "launch_decode_wgmma", "mark_unavailable"]
+__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_WS64", "wgmma_plan", "ws64_taken", "launch_decode_wgmma", "mark_unavailable"]
 
 #: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
 #: tests turn it off to time / check the Triton kernel on the same GPU).
@@ -118,6 +120,10 @@ WGMMA_KEYS = True
 #: Take the warp-specialised FP8 kernel (``decode_wgmma_ws``) for 16-row blocks of 64-key
 #: tiles with 4 warps (a switch like ``WGMMA_KEYS``; ``WGMMA_DECODE`` turns it off too).
 WGMMA_WS = True
+#: Take the warp-specialised 64-row FP8 kernel (``decode_wgmma_ws64``: a producer partition
+#: dequantises the next tile while the dots run) for the FP8 64-row blocks this module's kernel
+#: would otherwise run (a switch like ``WGMMA_WS``; off, this module's kernel runs them).
+WGMMA_WS64 = True
 #: Why this kernel cannot be built in this process (None: it can, as far as is known). Set
 #: by ``mark_unavailable`` when the first build fails -- a Triton whose Gluon differs from the
 #: one the kernel is written for (3.6) -- so that every later launch takes the Triton kernel.
@@ -180,6 +186,13 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
         return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_KEYS", WGMMA_KEYS, "keys-on-M")
     return (f"block {block_m}x{block_n} with {num_warps} warps (these kernels are 64x64, or for FP8 16/32 rows "
             f"x {KEYS_BLOCK_N} keys with 8 warps or 16 rows x {WS_BLOCK_N} keys with {WS_WARPS})")
+
+
+def ws64_taken(kv_cache: torch.Tensor) -> bool:
+    """Whether a 64-row launch that ``wgmma_plan`` admitted runs the warp-specialised FP8 kernel
+    of ``decode_wgmma_ws64`` (an FP8 cache: uint8 ``[num_blocks, page, token bytes]``, and the
+    ``WGMMA_WS64`` switch on) rather than this module's."""
+    return kv_cache.dtype == torch.uint8 and bool(WGMMA_WS64)
 
 
 def _few_row_reason(q: torch.Tensor, kv_cache: torch.Tensor, block_m: int, block_n: int, switch: str, on: bool,

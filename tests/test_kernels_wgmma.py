@@ -1,7 +1,8 @@
-"""The Hopper Gluon decodes (kernels/decode_wgmma.py, 64-row blocks; kernels/decode_wgmma_keys.py,
-FP8 at up to 32 rows; kernels/decode_wgmma_ws.py, FP8 at up to 16 rows, warp-specialised): when
-they are taken, and their results against mla_ref on the GPU (Gluon has no interpreter, so the
-CPU suite checks only the choice)."""
+"""The Hopper Gluon decodes (kernels/decode_wgmma.py, 64-row blocks; kernels/decode_wgmma_ws64.py,
+FP8 64-row blocks, warp-specialised; kernels/decode_wgmma_keys.py, FP8 at up to 32 rows;
+kernels/decode_wgmma_ws.py, FP8 at up to 16 rows, warp-specialised): when they are taken, and
+their results against mla_ref on the GPU (Gluon has no interpreter, so the CPU suite checks
+only the choice)."""
 from __future__ import annotations
 
 import pytest
@@ -104,6 +105,19 @@ def test_wgmma_plan_takes_fp8_16_row_blocks_of_64_keys_with_4_warps(monkeypatch)
     assert "WGMMA_DECODE is off" in dw.wgmma_plan(_q(16, 1), fkv, **kw)
 
 
+def test_fp8_64_row_blocks_take_the_warp_specialised_kernel(monkeypatch):
+    """Of the 64-row launches ``wgmma_plan`` admits, FP8 ones run the warp-specialised kernel
+    (kernels/decode_wgmma_ws64.py) while ``WGMMA_WS64`` is on, 16-bit ones never; the plan
+    itself does not depend on that switch."""
+    q, kv = _tensors()
+    fq, fkv = _tensors(kv_dtype=torch.uint8)
+    assert dw.ws64_taken(fkv) and not dw.ws64_taken(kv)
+    assert not dw.ws64_taken(torch.empty(4, 64, 576, dtype=torch.float16))
+    monkeypatch.setattr(dw, "WGMMA_WS64", False)
+    assert not dw.ws64_taken(fkv)
+    assert dw.wgmma_plan(fq, fkv, capability=(9, 0), **_KW) is None
+
+
 def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
     """A Gluon that cannot build the kernel (another Triton) is reported once and then every
     plan names the failure, so the Triton kernel runs."""
@@ -170,12 +184,14 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     CUDA default configs): a long request split over many parts, lengths at and around tile
     and page boundaries, empty requests, NaN in every stale slot and padding query row; h=20
     x 4 tokens leaves padding rows in the last block. The switch decides which kernel runs
-    (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the warp-specialised kernel at
-    s_q=1 and the keys-on-M one at s_q=2, the rest the 64-row one)."""
+    (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the warp-specialised few-row
+    kernel at s_q=1 and the keys-on-M one at s_q=2, the other FP8 cases the warp-specialised
+    64-row one, the rest the 64-row one)."""
     monkeypatch.setattr(dw, "WGMMA_DECODE", on)
     calls = _spy_wgmma(monkeypatch)
     keys_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
     ws_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws")
+    ws64_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
     few = kv == "fp8" and heads * s_q <= 32
@@ -191,13 +207,17 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
-    want = ((0, 0, 1) if heads * s_q <= 16 else (0, 1, 0)) if few else (1, 0, 0)
-    assert (len(calls), len(keys_calls), len(ws_calls)) == (want if on and hopper else (0, 0, 0))
+    if few:
+        want = (0, 0, 1, 0) if heads * s_q <= 16 else (0, 1, 0, 0)
+    else:
+        want = (0, 0, 0, 1) if kv == "fp8" else (1, 0, 0, 0)
+    got = (len(calls), len(keys_calls), len(ws_calls), len(ws64_calls))
+    assert got == (want if on and hopper else (0, 0, 0, 0))
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
-def _check_fp8_few_rows(spec, cfg, s_q, page, big_q, parts, seq, seed):
-    """One FP8 case of the few-row kernels' tests against mla_ref: requests of ``seq`` keys
+def _check_fp8_case(spec, cfg, s_q, page, big_q, parts, seq, seed):
+    """One FP8 case of the FP8 Gluon kernels' tests against mla_ref: requests of ``seq`` keys
     (every third with one query token, empty ones with none), NaN in every stale slot and
     padding token; ``big_q``: q times 2**17 and the softmax scale times 2**-17 (the expected
     result is the unscaled one: powers of two are exact); ``parts``: that many parts instead
@@ -241,7 +261,7 @@ def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts,
     hopper = torch.cuda.get_device_capability()[0] == 9
     if hopper:
         assert (cfg.block_m, cfg.block_n) == ((16 if heads * s_q <= 16 else 32), 128), cfg
-    _check_fp8_few_rows(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 257, 2000], 31)
+    _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 257, 2000], 31)
     assert len(calls) == (1 if hopper else 0)
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
@@ -266,8 +286,33 @@ def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, m
     hopper = torch.cuda.get_device_capability()[0] == 9
     if hopper:
         assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4), cfg
-    _check_fp8_few_rows(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000],
+    _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000],
                         37)
+    assert len(calls) == (1 if hopper else 0)
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,s_q,page", [(128, 1, 64), (128, 1, 16), (128, 2, 128), (64, 1, 32), (20, 4, 64),
+                                            (16, 2, 64)])
+@pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
+@pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
+def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts, monkeypatch):
+    """The warp-specialised 64-row FP8 kernel (kernels/decode_wgmma_ws64.py: a producer
+    partition copying each 64-key tile into a free buffer and dequantising it there, in place,
+    a scale group at a time; two consumer warpgroups' dots) against mla_ref at DeepSeek size:
+    h=128 at s_q 1-2 (one and four row blocks), h=64, h=20 x 4 tokens (16 padding rows in the
+    second block, mixed query lengths) and h=16 x 2 (32 padding rows) in 64-row blocks of
+    64-key tiles with 8 warps. Lengths around the tiles and pages, a 9000-key request split
+    over many parts, empty requests (both partitions must skip them alike), NaN in every stale
+    slot and padding query token; ``big_q`` and ``parts`` as in the keys-on-M test (3 parts:
+    the buffers' phases wrap many times, the producer crosses requests)."""
+    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
+    spec = ModelSpec(num_heads=heads)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=64, block_n=64, num_warps=8,
+                                                                          fp8_grouped=False)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 41)
     assert len(calls) == (1 if hopper else 0)
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
@@ -275,15 +320,18 @@ def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel,heads,s_q,kv", [("_decode_wgmma_kernel", 128, 2, "bf16"),
                                                  ("_decode_keys_kernel", 16, 2, "fp8"),
-                                                 ("_decode_ws_kernel", 16, 1, "fp8")], ids=["64-row", "keys", "ws"])
+                                                 ("_decode_ws_kernel", 16, 1, "fp8"),
+                                                 ("_decode_ws64_kernel", 128, 1, "fp8")],
+                         ids=["64-row", "keys", "ws", "ws64"])
 def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monkeypatch):
     """A Gluon kernel failing to build (here: a resource error raised by its launch) gives a
     warning and the Triton kernel's result, for this launch and the next (the 64-row kernel
-    at h=128 bf16, the keys-on-M one at h=16 FP8 s_q=2, the warp-specialised one at h=16 FP8
-    s_q=1: the CUDA defaults that reach each)."""
+    at h=128 bf16, the keys-on-M one at h=16 FP8 s_q=2, the warp-specialised ones at h=16 FP8
+    s_q=1 and h=128 FP8: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
     import kernels.decode_wgmma_keys as dk
     import kernels.decode_wgmma_ws as dws
+    import kernels.decode_wgmma_ws64 as dws64
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
 
     class Unbuildable:
@@ -292,7 +340,8 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
                 raise OutOfResources(300000, 232448, "shared memory")
             return launch
 
-    module = {"_decode_wgmma_kernel": dw, "_decode_keys_kernel": dk, "_decode_ws_kernel": dws}[kernel]
+    module = {"_decode_wgmma_kernel": dw, "_decode_keys_kernel": dk, "_decode_ws_kernel": dws,
+              "_decode_ws64_kernel": dws64}[kernel]
     monkeypatch.setattr(module, kernel, Unbuildable())
     spec = ModelSpec(num_heads=heads)
     case = make_case(spec, seq_lens=[700, 0, 65], q_lens=[s_q, 0, 1], s_q=s_q, page_size=64, kv_dtype=kv, seed=3,

@@ -1,0 +1,365 @@
+"""Hopper FP8 split-KV decode at 64-row blocks, warp-specialised: a producer partition copies and
+dequantises the next key tile while the two consumer warpgroups run this one's dots (Gluon, GPU only).
+
+The same contract, plan, numerics and stores as ``decode_wgmma._decode_wgmma_kernel`` for an
+FP8 cache (grid ``(num_parts, m_blocks)``; a request that is not split stores ``out``/``lse``,
+a split one its fp32 partial; the keys dequantised ``code * scale`` in fp32, rounded to bf16,
+as the Triton kernel's dequantise path), with the work split differently. In that kernel the
+eight warps dequantise each tile themselves, between its copies landing and its QK dot: the
+tensor cores wait for the conversion every tile, and FP8 at h=128 ran slower than bf16 (H100,
+B=128, L=16k, s_q=1: 2155 against 1536 us, ``benchmarks/results/h100-2026-11-26-kernel-15.json``).
+Here two partitions (``gl.warp_specialize``) hand dequantised 64-key tiles over through two
+shared buffers and two mbarriers a buffer (ready / empty):
+
+- the *producer* (4 warps, 64 registers a thread) walks the part's requests and tiles as the
+  consumer does. For each tile it waits for a free buffer and ``cp.async``-copies the tile
+  into it in four commit groups (rope, scales and scale group 0's codes; then groups 1, 2, 3),
+  dequantising each group's codes *in place* as soon as its commit group has landed: the bf16
+  K tile ``[64, 512]`` (64 KiB) holds the tile's 32 KiB of codes in its upper half, staged
+  group-major (group ``g`` at ``32 KiB + 8 KiB * g``). The K tile's shared layout (128-byte
+  swizzle: 64-column chunks of ``64 x 128`` bytes one after another) puts scale group ``g``'s
+  bf16 values at bytes ``[16 KiB * g, 16 KiB * (g + 1))``: groups 0 and 1 are written where no
+  codes are, group 2 over groups 0-1's codes once every producer thread has read them, group
+  3 over its own and group 2's once every thread holds them (barriers between). Keys past
+  ``seq_len`` are masked copies, which land as zeros (a NaN-poisoned stale slot never reaches
+  a dot).
+- the *consumer* (8 warps, two warpgroups; the launch's ``num_warps``) is the loop of
+  ``decode_wgmma`` without its copies and conversion: per tile it waits for the PV dot of the
+  tile before and hands that tile's buffer back, waits for this tile's buffer to be ready,
+  runs ``S = Q K^T`` (each warpgroup 32 keys), the softmax (row max and sum across both
+  warpgroups) and issues ``acc += P V`` (each warpgroup 256 of the 512 columns).
+
+Shared memory at rank 512 + rope 64: q 72 KiB, P 8 KiB, two buffers of a K tile (64 KiB), its
+rope (8 KiB) and its scales (1 KiB): 226 KiB of the H100's 227 -- the 16-bit kernel's two tiles
+and no room for a separate ring of codes, hence the in-place staging. Registers: the kernel
+is capped at 168 a thread (12 warps x 32 x 168 <= 64K); the producer's 4 warps get 64, the
+consumer's 8 the rest (216; compiled for sm_90: no spills in its loop). ptxas compiles every
+partition under the cap, so 8 producer warps (cap 128) cannot hold the consumer's 64x256
+accumulator ("insufficient registers").
+
+Measured on an H100, in the full benchmark grid, old code (c212cbb) and new in one command
+(``benchmarks/results/h100-2026-11-26-kernel-16*.json``; B 1-128, L 1k-16k): FP8 h=128 s_q=1
+1.06-1.28x (geo-mean 1.18), s_q=2 1.06-1.30x (1.22); at B=128, L=16k s_q=1 2158 -> 1683 us (the
+bf16 kernel: 1535), s_q=2 4257 -> 3269; every other case 0.99-1.02x. Ablations
+(``h100-2026-11-26-wgmma-ws64-ab.json``; B=128, L=16k, h=128, s_q=1, timing only): the
+producer alone (the consumer only handing buffers back) 1106 us, the consumer alone (the
+producer only copying) 1228 -- together they slow each other down (shared-memory bandwidth and
+the issue slots of the same SM sub-partitions), and with only two buffers each tile's copy
+latency stays in the producer's path. Tried and not kept (same json, six cases h=128 and h=16
+x 2): dequantising only once all four commit groups have landed, 0.92-0.96x; issuing a tile's
+QK before waiting for the previous PV, 0.85-1.00x; asking L2 for the next tile's rows a tile
+ahead (``cp.async.bulk.prefetch.L2``, a row a key), 0.90-1.04x; 56 producer registers (the
+consumer 224), 0.93-0.98x. h=16 at s_q=2 (32 rows, padded to 64 here) keeps the keys-on-M
+kernel of ``decode_wgmma_keys``: this one ran B=128, L=16k in 881 us and B=8, L=16k in 78 (the
+ablation command), that kernel 800 and 76 in the full grid (``-kernel-16.json``; another
+command on the same kind of GPU, so only indicative). Mutants of this kernel against its GPU
+test (same json): five give wrong results the test catches (codes staged in the lower half,
+group 1 read before it lands, a group's scale swapped, the copy mask or the causal mask
+dropped), three hang it (a ready or empty wait dropped, the last buffer never handed back),
+and two races were never observed on an H100 (the barrier before group 3 overwrites staged
+codes, the fence before the producer's arrival).
+
+Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
+64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
+``config.default_config`` gives FP8 64-row blocks of 64-key tiles with 8 warps on Hopper at
+h=128 (those configs already ran ``decode_wgmma``'s kernel). A build failure falls back to the
+Triton kernel as for the other Gluon kernels (``decode_wgmma.mark_unavailable``).
+"""
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
+    gluon = None
+
+from .gluon_parts import part_bounds, request_span
+
+__all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS"]
+
+#: tile buffers handed between the two partitions (two fill the shared memory)
+W64_BUFS = 2
+#: warps of the producer partition
+W64_PRODUCER_WARPS = 4
+#: registers a producer thread gets (the consumer gets the rest of the register file)
+W64_PRODUCER_REGS = 64
+#: the kernel's register cap: (8 + W64_PRODUCER_WARPS) warps x 32 threads x this <= 64K
+W64_MAXNREG = 168
+
+if gluon is not None:
+
+    @gluon.jit
+    def _w64_copy(stage_s, stage, rope_buf, sc_buf, kv_ptr, bt_row, tile, seq_len, PAGE: gl.constexpr, RANK: gl.constexpr,
+                  ROPE: gl.constexpr, NG: gl.constexpr, GROUP: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
+                  BLOCK_N: gl.constexpr, CODE_L: gl.constexpr, ROPE_L: gl.constexpr, SC_L: gl.constexpr):
+        # Copy one tile into a free buffer (cp.async; keys past seq_len are masked and land as
+        # zeros), in NG commit groups: the bf16 rope, the fp32 scales (token layout codes | scales
+        # | rope) and the codes of scale group 0; then the codes of each further group. Group g's
+        # codes go to stage_s[stage + g] ([BLOCK_N, GROUP] uint8), so that the dequantisation of
+        # a group can start once its commit group has landed.
+        offs_r = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
+        ok_r = offs_r < seq_len
+        page_r = gl.load(bt_row + offs_r // PAGE, mask=ok_r, other=0)
+        rope_at = kv_ptr + (page_r.to(gl.int64) * PAGE + offs_r % PAGE) * TOKEN_STRIDE + RANK + 4 * NG
+        cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
+        async_copy.async_copy_global_to_shared(rope_buf, rope_at.to(gl.pointer_type(gl.bfloat16))[:, None]
+                                               + cols_r[None, :], mask=ok_r[:, None] & (cols_r[None, :] < ROPE))
+        offs_s = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SC_L))
+        ok_s = offs_s < seq_len
+        page_s = gl.load(bt_row + offs_s // PAGE, mask=ok_s, other=0)
+        sc_at = kv_ptr + (page_s.to(gl.int64) * PAGE + offs_s % PAGE) * TOKEN_STRIDE + RANK
+        cols_s = gl.arange(0, NG, layout=gl.SliceLayout(0, SC_L))
+        async_copy.async_copy_global_to_shared(sc_buf, sc_at.to(gl.pointer_type(gl.float32))[:, None]
+                                               + cols_s[None, :], mask=ok_s[:, None] & (cols_s[None, :] < NG))
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODE_L))
+        ok = offs_n < seq_len
+        page = gl.load(bt_row + offs_n // PAGE, mask=ok, other=0)
+        row = kv_ptr + (page.to(gl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+        cols = gl.arange(0, GROUP, layout=gl.SliceLayout(0, CODE_L))
+        for g in gl.static_range(NG):
+            async_copy.async_copy_global_to_shared(stage_s.index(stage + g), row[:, None] + g * GROUP + cols[None, :],
+                                                   mask=ok[:, None] & (cols[None, :] < GROUP))
+            async_copy.commit_group()
+
+    @gluon.jit
+    def _w64_group(codes, sc, g: gl.constexpr, DT: gl.constexpr, DEQ_L: gl.constexpr, SC_L: gl.constexpr):
+        # One scale group's values code * scale in fp32, rounded to DT: codes [BLOCK_N, GROUP]
+        # (DEQ_L), sc the tile's scales [BLOCK_N, NG] (SC_L)
+        cols = gl.arange(0, sc.shape[1], layout=gl.SliceLayout(0, SC_L))
+        sc_g = gl.sum(gl.where(cols[None, :] == g, sc, 0.0), axis=1)
+        sc_g = gl.convert_layout(sc_g, gl.SliceLayout(1, DEQ_L))
+        return (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc_g[:, None]).to(DT)
+
+    @gluon.jit
+    def _w64_dequantise(k_lat, stage_s, stage, sc_buf, NG: gl.constexpr, GROUP: gl.constexpr, DT: gl.constexpr,
+                        DEQ_L: gl.constexpr, SC_L: gl.constexpr):
+        # The staged codes of a tile into its bf16 K tile, in place (module doc), a scale group
+        # as soon as its commit group (``_w64_copy``) has landed for every producer thread: groups 0
+        # and 1 land below the staging half; group 2 over groups 0-1's codes, once every thread
+        # has read those; group 3 over its own and group 2's, once every thread holds them
+        gl.static_assert(NG == 4)
+        async_copy.wait_group(3)
+        gl.thread_barrier()
+        sc = sc_buf.load(SC_L)
+        k_lat.slice(0, GROUP, dim=1).store(_w64_group(stage_s.index(stage).load(DEQ_L), sc, 0, DT, DEQ_L, SC_L))
+        async_copy.wait_group(2)
+        gl.thread_barrier()
+        k_lat.slice(GROUP, GROUP, dim=1).store(_w64_group(stage_s.index(stage + 1).load(DEQ_L), sc, 1, DT, DEQ_L, SC_L))
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        k_lat.slice(2 * GROUP, GROUP, dim=1).store(_w64_group(stage_s.index(stage + 2).load(DEQ_L), sc, 2, DT, DEQ_L,
+                                                              SC_L))
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        c3 = stage_s.index(stage + 3).load(DEQ_L)
+        gl.thread_barrier()
+        k_lat.slice(3 * GROUP, GROUP, dim=1).store(_w64_group(c3, sc, 3, DT, DEQ_L, SC_L))
+
+    @gluon.jit
+    def _w64_producer(kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s, sc_s,
+                      ready, empty, PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
+                      TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr, NB: gl.constexpr):
+        W: gl.constexpr = gl.num_warps()
+        NG: gl.constexpr = RANK // GROUP
+        DT: gl.constexpr = gl.bfloat16
+        # 16-byte vectors along a row: 16 codes, 8 rope values; a key's NG scale words
+        CODE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+                                                warps_per_cta=[W, 1], order=[1, 0])
+        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                                warps_per_cta=[W, 1], order=[1, 0])
+        SC_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NG], threads_per_warp=[4, 8],
+                                              warps_per_cta=[W, 1], order=[1, 0])
+        # the K tiles' bytes as uint8 [NB * 2 * NG, BLOCK_N, GROUP]: [(2 s + 1) NG + g] group g of
+        # the staging half of buffer s
+        STAGE_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        stage_s = k_lat_s._reinterpret(gl.uint8, [NB * 2 * NG, BLOCK_N, GROUP], STAGE_SH)
+        pid_p = gl.program_id(0)
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
+        it = 0
+        for b in range(b_first, b_last + 1):
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            bt_row = bt_ptr + b.to(gl.int64) * bt_stride
+            for tile in range(t0, t1):
+                s = it % NB
+                # the consumer's PV dot of tile it - NB (which read this buffer) is done
+                mbarrier.wait(empty.index(s), ((it // NB) & 1) ^ 1)
+                stage = (2 * s + 1) * NG
+                _w64_copy(stage_s, stage, k_rope_s.index(s), sc_s.index(s), kv_ptr, bt_row, tile, seq_len, PAGE,
+                          RANK, ROPE, NG, GROUP, TOKEN_STRIDE, BLOCK_N, CODE_L, ROPE_L, SC_L)
+                _w64_dequantise(k_lat_s.index(s), stage_s, stage, sc_s.index(s), NG, GROUP, DT, CODE_L, SC_L)
+                # the generic-proxy stores (and the copies) visible to the consumer's wgmma reads,
+                # from every producer warp, before the (single) arrival
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(ready.index(s))
+                it += 1
+
+    @gluon.jit
+    def _w64_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
+                      plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s, k_rope_s, ready, empty,
+                      RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NB: gl.constexpr):
+        DT: gl.constexpr = q_ptr.dtype.element_ty
+        D: gl.constexpr = RANK + ROPE
+        LN2: gl.constexpr = 0.6931471805599453
+        # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                     instr_shape=[16, BLOCK_N // 2, 16])
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, RANK // 2, 16])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
+        ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
+        COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
+        Q_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+                                             warps_per_cta=[8, 1], order=[1, 0])
+        QR_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                              warps_per_cta=[8, 1], order=[1, 0])
+
+        pid_p = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        ROWS = SQ * H
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
+        ctx_w = gl.load(ctxw_ptr)
+        m_lat = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, Q_L))
+        m_rope = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QR_L))
+        m_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
+        c_lat = gl.arange(0, RANK, layout=gl.SliceLayout(0, Q_L))
+        c_rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, QR_L))
+        n_s = gl.arange(0, BLOCK_N, layout=COL_S)
+        row_ok_s = m_s < ROWS
+        tok_s = m_s // H
+        head_s = m_s % H
+        it = 0
+        for b in range(b_first, b_last + 1):
+            b64 = b.to(gl.int64)
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            if t1 > t0:
+                ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=row_ok_s & (tok_s < ctx_w), other=0)
+                # every consumer warp is done with q of the previous request
+                gl.thread_barrier()
+                q_row = q_ptr + b64 * (ROWS * D)
+                async_copy.async_copy_global_to_shared(
+                    q_lat_s, q_row + m_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
+                    mask=(m_lat < ROWS)[:, None] & (c_lat[None, :] < RANK))
+                async_copy.async_copy_global_to_shared(
+                    q_rope_s, q_row + m_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
+                    mask=(m_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
+
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
+                l_i = gl.full([BLOCK_M], 0.0, gl.float32, ROW_S)
+                acc = warpgroup_mma_init(gl.full([BLOCK_M, RANK], 0.0, gl.float32, ACC_L))
+                for tile in range(t0, t1):
+                    s = it % NB
+                    # the PV dot of the previous tile is done (in both warpgroups, after the
+                    # barrier): its buffer goes back to the producer, P may be rewritten
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    gl.thread_barrier()
+                    if tile > t0:
+                        mbarrier.arrive(empty.index((it + NB - 1) % NB))
+                    mbarrier.wait(ready.index(s), (it // NB) & 1)
+                    k_lat = k_lat_s.index(s)
+                    sc = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, S_L)
+                    sc = warpgroup_mma(q_rope_s, k_rope_s.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
+                    sc = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), sc, is_async=True)
+                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+
+                    offs_n = tile * BLOCK_N + n_s
+                    sc = sc * qk_scale
+                    visible = (offs_n[None, :] < ctx[:, None]) & (offs_n < seq_len)[None, :]
+                    sc = gl.where(visible, sc, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_ref)
+                    p = gl.exp2(sc - m_ref[:, None])
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    m_i = m_new
+
+                    acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
+                    p_s.store(p.to(DT))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
+                    it += 1
+                # the last tile's buffer goes back once its PV dot is done
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((it + NB - 1) % NB))
+
+                has_keys = l_i > 0.0
+                l_safe = gl.where(has_keys, l_i, 1.0)
+                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                o = acc / gl.convert_layout(l_safe, ROW_A)[:, None]
+                m_a = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_A)
+                c_a = gl.arange(0, RANK, layout=COL_A)
+                ok_a = (m_a < ROWS)[:, None] & (c_a[None, :] < RANK)
+                m_rows = m_a.to(gl.int64)[:, None] * RANK + c_a[None, :]
+                if nsplit == 1:
+                    gl.store(out_ptr + b64 * (ROWS * RANK) + m_rows, o.to(out_ptr.dtype.element_ty), mask=ok_a)
+                    gl.store(lse_ptr + b64 * ROWS + head_s * SQ + tok_s, lse2 * LN2, mask=row_ok_s)
+                elif p_row < partial_cap:
+                    p64 = p_row.to(gl.int64)
+                    gl.store(po_ptr + p64 * (ROWS * RANK) + m_rows, o, mask=ok_a)
+                    gl.store(plse_ptr + p64 * ROWS + m_s, lse2, mask=row_ok_s)
+
+    @gluon.jit
+    def _decode_ws64_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
+                            out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
+                            PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
+                            TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        gl.static_assert(BLOCK_M == 64)
+        gl.static_assert(gl.num_warps() == 8)
+        gl.static_assert(RANK // GROUP == 4)
+        DT: gl.constexpr = q_ptr.dtype.element_ty
+        LAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], DT)
+        ROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT)
+        QLAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, RANK], DT)
+        QROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT)
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT)
+        PLAIN_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        q_lat_s = gl.allocate_shared_memory(DT, [BLOCK_M, RANK], QLAT_SH)
+        q_rope_s = gl.allocate_shared_memory(DT, [BLOCK_M, ROPE], QROPE_SH)
+        p_s = gl.allocate_shared_memory(DT, [BLOCK_M, BLOCK_N], P_SH)
+        k_lat_s = gl.allocate_shared_memory(DT, [NB, BLOCK_N, RANK], LAT_SH)
+        k_rope_s = gl.allocate_shared_memory(DT, [NB, BLOCK_N, ROPE], ROPE_SH)
+        sc_s = gl.allocate_shared_memory(gl.float32, [NB, BLOCK_N, RANK // GROUP], PLAIN_SH)
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NB):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_w64_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
+                             po_ptr, plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s,
+                             k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB)),
+            (_w64_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s,
+                             sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
+                             split_offsets, out, lse, partial_o, partial_lse, *, softmax_scale_log2: float,
+                             rank: int, rope_dim: int, fp8_group: int, block_m: int, block_n: int) -> None:
+    """Launch this kernel (arguments as ``decode_split.launch_decode_split``; the caller has
+    checked ``decode_wgmma.wgmma_plan``). Shapes: q ``[B, s_q, h, rank + rope]`` bf16;
+    kv_cache uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``; block_m 64, block_n
+    64; the rest as the Triton launcher."""
+    B, s_q, h, _ = q.shape
+    num_parts = part_info.shape[0] - 1
+    m_blocks = -(-(s_q * h) // block_m)
+    _decode_ws64_kernel[(num_parts, m_blocks)](
+        q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
+        out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
+        PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
+        BLOCK_M=block_m, BLOCK_N=block_n, NB=W64_BUFS, PRODUCER_WARPS=W64_PRODUCER_WARPS,
+        PRODUCER_REGS=W64_PRODUCER_REGS, num_warps=8, maxnreg=W64_MAXNREG)
