@@ -106,7 +106,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
-from .gluon_parts import part_bounds, request_span
+from .gluon_parts import copy_q_rows, part_bounds, request_span, softmax_rows_step, store_rows_result
 
 __all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_WS64", "wgmma_plan", "ws64_taken", "launch_decode_wgmma", "mark_unavailable"]
 
@@ -276,7 +276,6 @@ if gluon is not None:
         DT: gl.constexpr = q_ptr.dtype.element_ty
         D: gl.constexpr = RANK + ROPE
         NG: gl.constexpr = RANK // GROUP
-        LN2: gl.constexpr = 0.6931471805599453
         # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                      instr_shape=[16, BLOCK_N // 2, 16])
@@ -328,19 +327,11 @@ if gluon is not None:
         b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
         ctx_w = gl.load(ctxw_ptr)
 
-        # rows in the copy layouts (q) and in the dot layouts (mask, stores)
-        m_lat = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, Q_L))
-        m_rope = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROPE_L))
+        # rows and keys in the dot layouts (masks)
         m_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
-        m_a = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_A)
-        c_lat = gl.arange(0, RANK, layout=gl.SliceLayout(0, Q_L))
-        c_rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
-        c_a = gl.arange(0, RANK, layout=COL_A)
         n_s = gl.arange(0, BLOCK_N, layout=COL_S)
         row_ok_s = m_s < ROWS
         tok_s = m_s // H
-        head_s = m_s % H
-        ok_a = (m_a < ROWS)[:, None] & (c_a[None, :] < RANK)
 
         for b in range(b_first, b_last + 1):
             b64 = b.to(gl.int64)
@@ -352,13 +343,8 @@ if gluon is not None:
                 # every warp is done with the shared buffers of the previous request
                 gl.thread_barrier()
                 # q (padding rows: zeros) and tile t0: copy group 0
-                q_row = q_ptr + b64 * (ROWS * D)
-                async_copy.async_copy_global_to_shared(
-                    q_lat_s, q_row + m_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
-                    mask=(m_lat < ROWS)[:, None] & (c_lat[None, :] < RANK))
-                async_copy.async_copy_global_to_shared(
-                    q_rope_s, q_row + m_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
-                    mask=(m_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+                copy_q_rows(q_ptr + b64 * (ROWS * D), pid_m * BLOCK_M, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
+                            ROPE_L)
                 _issue_tile(codes_s.index(0), k_rope_s.index(0), sc_s.index(0), kv_ptr, bt_row, t0, seq_len,
                             PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, FP8, LAT_L, ROPE_L, SC_L)
                 async_copy.commit_group()
@@ -397,17 +383,7 @@ if gluon is not None:
                     s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-                    offs_n = tile * BLOCK_N + n_s
-                    s = s * qk_scale
-                    visible = (offs_n[None, :] < ctx[:, None]) & (offs_n < seq_len)[None, :]
-                    s = gl.where(visible, s, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_ref)
-                    p = gl.exp2(s - m_ref[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
-
+                    p, alpha, m_i, l_i = softmax_rows_step(s * qk_scale, m_i, l_i, ctx, tile * BLOCK_N + n_s, seq_len)
                     acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
                     p_s.store(p.to(DT))
                     fence_async_shared()
@@ -417,19 +393,8 @@ if gluon is not None:
                 # the trailing (empty) copy group
                 async_copy.wait_group(0)
 
-                has_keys = l_i > 0.0
-                l_safe = gl.where(has_keys, l_i, 1.0)
-                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
-                l_col = gl.convert_layout(l_safe, ROW_A)[:, None]
-                o = acc / l_col
-                m_rows = m_a.to(gl.int64)[:, None] * RANK + c_a[None, :]
-                if nsplit == 1:
-                    gl.store(out_ptr + b64 * (ROWS * RANK) + m_rows, o.to(out_ptr.dtype.element_ty), mask=ok_a)
-                    gl.store(lse_ptr + b64 * ROWS + head_s * SQ + tok_s, lse2 * LN2, mask=row_ok_s)
-                elif p_row < partial_cap:
-                    p64 = p_row.to(gl.int64)
-                    gl.store(po_ptr + p64 * (ROWS * RANK) + m_rows, o, mask=ok_a)
-                    gl.store(plse_ptr + p64 * ROWS + m_s, lse2, mask=row_ok_s)
+                store_rows_result(acc, m_i, l_i, pid_m * BLOCK_M, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
+                                  po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
 
 
 def mark_unavailable(error: BaseException) -> None:

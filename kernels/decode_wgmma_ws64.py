@@ -76,7 +76,7 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import part_bounds, request_span
+from .gluon_parts import copy_q_rows, part_bounds, request_span, softmax_rows_step, store_rows_result
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS"]
 
@@ -205,7 +205,6 @@ if gluon is not None:
                       NB: gl.constexpr):
         DT: gl.constexpr = q_ptr.dtype.element_ty
         D: gl.constexpr = RANK + ROPE
-        LN2: gl.constexpr = 0.6931471805599453
         # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                      instr_shape=[16, BLOCK_N // 2, 16])
@@ -225,15 +224,10 @@ if gluon is not None:
         ROWS = SQ * H
         b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
         ctx_w = gl.load(ctxw_ptr)
-        m_lat = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, Q_L))
-        m_rope = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QR_L))
         m_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
-        c_lat = gl.arange(0, RANK, layout=gl.SliceLayout(0, Q_L))
-        c_rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, QR_L))
         n_s = gl.arange(0, BLOCK_N, layout=COL_S)
         row_ok_s = m_s < ROWS
         tok_s = m_s // H
-        head_s = m_s % H
         it = 0
         for b in range(b_first, b_last + 1):
             b64 = b.to(gl.int64)
@@ -243,13 +237,8 @@ if gluon is not None:
                 ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=row_ok_s & (tok_s < ctx_w), other=0)
                 # every consumer warp is done with q of the previous request
                 gl.thread_barrier()
-                q_row = q_ptr + b64 * (ROWS * D)
-                async_copy.async_copy_global_to_shared(
-                    q_lat_s, q_row + m_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
-                    mask=(m_lat < ROWS)[:, None] & (c_lat[None, :] < RANK))
-                async_copy.async_copy_global_to_shared(
-                    q_rope_s, q_row + m_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
-                    mask=(m_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+                copy_q_rows(q_ptr + b64 * (ROWS * D), pid_m * BLOCK_M, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
+                            QR_L)
                 async_copy.commit_group()
                 async_copy.wait_group(0)
                 fence_async_shared()
@@ -273,17 +262,7 @@ if gluon is not None:
                     sc = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), sc, is_async=True)
                     sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
 
-                    offs_n = tile * BLOCK_N + n_s
-                    sc = sc * qk_scale
-                    visible = (offs_n[None, :] < ctx[:, None]) & (offs_n < seq_len)[None, :]
-                    sc = gl.where(visible, sc, float("-inf"))
-                    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-                    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.exp2(m_i - m_ref)
-                    p = gl.exp2(sc - m_ref[:, None])
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
-
+                    p, alpha, m_i, l_i = softmax_rows_step(sc * qk_scale, m_i, l_i, ctx, tile * BLOCK_N + n_s, seq_len)
                     acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
                     p_s.store(p.to(DT))
                     fence_async_shared()
@@ -295,21 +274,8 @@ if gluon is not None:
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index((it + NB - 1) % NB))
 
-                has_keys = l_i > 0.0
-                l_safe = gl.where(has_keys, l_i, 1.0)
-                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
-                o = acc / gl.convert_layout(l_safe, ROW_A)[:, None]
-                m_a = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_A)
-                c_a = gl.arange(0, RANK, layout=COL_A)
-                ok_a = (m_a < ROWS)[:, None] & (c_a[None, :] < RANK)
-                m_rows = m_a.to(gl.int64)[:, None] * RANK + c_a[None, :]
-                if nsplit == 1:
-                    gl.store(out_ptr + b64 * (ROWS * RANK) + m_rows, o.to(out_ptr.dtype.element_ty), mask=ok_a)
-                    gl.store(lse_ptr + b64 * ROWS + head_s * SQ + tok_s, lse2 * LN2, mask=row_ok_s)
-                elif p_row < partial_cap:
-                    p64 = p_row.to(gl.int64)
-                    gl.store(po_ptr + p64 * (ROWS * RANK) + m_rows, o, mask=ok_a)
-                    gl.store(plse_ptr + p64 * ROWS + m_s, lse2, mask=row_ok_s)
+                store_rows_result(acc, m_i, l_i, pid_m * BLOCK_M, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
+                                  po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
 
     @gluon.jit
     def _decode_ws64_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,

@@ -10,17 +10,23 @@ lines (under the interpreter a nested jit call costs more than the lines,
 The two few-row FP8 kernels (keys on the wgmma M axis: scores ``S^T [keys, rows]``, the
 accumulator ``acc^T [512, rows]`` in four ``[128, rows]`` parts, one per scale group) also
 share q's conversion to fp16, the online-softmax step down the key axis and the stores of
-a request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``).
+a request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``). The two
+64-row kernels (``decode_wgmma`` and its warp-specialised FP8 counterpart ``decode_wgmma_ws64``:
+the query rows on the wgmma M axis, scores ``S [64, keys]``, accumulator ``[64, 512]``) share
+q's copy, the online-softmax step along the key axis and the stores (``copy_q_rows``,
+``softmax_rows_step``, ``store_rows_result``).
 """
 from __future__ import annotations
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
-__all__ = ["part_bounds", "request_span", "q_rows_to_fp16", "softmax_keys_step", "store_keys_result"]
+__all__ = ["part_bounds", "request_span", "q_rows_to_fp16", "softmax_keys_step", "store_keys_result", "copy_q_rows",
+           "softmax_rows_step", "store_rows_result"]
 
 if gluon is not None:
 
@@ -114,3 +120,70 @@ if gluon is not None:
             gl.store(o_at + 2 * GROUP, a2 * inv_l[None, :], mask=ok_o)
             gl.store(o_at + 3 * GROUP, a3 * inv_l[None, :], mask=ok_o)
             gl.store(plse_ptr + p64 * ROWS + r, lse2, mask=row_ok)
+
+    @gluon.jit
+    def copy_q_rows(q_row, row0, ROWS, q_lat_s, q_rope_s, RANK: gl.constexpr, ROPE: gl.constexpr, LAT_L: gl.constexpr,
+                    ROPE_L: gl.constexpr):
+        """Issue the ``cp.async`` copies of a row block's q into shared memory (the caller commits
+        and waits): ``q_row`` points at the request's q (``[ROWS, RANK + ROPE]``, 16-bit), the
+        block's rows are ``row0 + i`` (``q_lat_s``: ``[rows, RANK]``, copied in layout ``LAT_L``;
+        ``q_rope_s``: ``[rows, ROPE]``, in ``ROPE_L``); rows at or past ``ROWS`` (padding) land as
+        zeros."""
+        D: gl.constexpr = RANK + ROPE
+        BLOCK_M: gl.constexpr = q_lat_s.shape[0]
+        m_lat = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAT_L))
+        c_lat = gl.arange(0, RANK, layout=gl.SliceLayout(0, LAT_L))
+        async_copy.async_copy_global_to_shared(q_lat_s, q_row + m_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
+                                               mask=(m_lat < ROWS)[:, None] & (c_lat[None, :] < RANK))
+        m_rope = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROPE_L))
+        c_rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
+        async_copy.async_copy_global_to_shared(q_rope_s,
+                                               q_row + m_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
+                                               mask=(m_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+
+    @gluon.jit
+    def softmax_rows_step(s, m_i, l_i, ctx, offs_n, seq_len):
+        """One tile of the online softmax along the key axis of ``S`` (fp32 ``[rows, keys]``,
+        already times ``softmax_scale * log2(e)``): keys ``offs_n`` (``[keys]``) past ``seq_len``
+        or, per query row, past its context ``ctx`` (``[rows]``) are masked; ``m_i`` / ``l_i``
+        (``[rows]``) the running max and sum. Returns ``(p, alpha, m_new, l_new)``: ``p =
+        exp2(S - m_new)`` and the factor ``alpha`` (``[rows]``) by which the accumulator is to be
+        rescaled."""
+        visible = (offs_n[None, :] < ctx[:, None]) & (offs_n < seq_len)[None, :]
+        s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr, po_ptr, plse_ptr,
+                          ROWS, SQ, H, BLOCK_M: gl.constexpr, RANK: gl.constexpr, ROW_S: gl.constexpr,
+                          ROW_A: gl.constexpr, COL_A: gl.constexpr):
+        """A request's result from a 64-row kernel's accumulator ``acc`` (fp32 ``[BLOCK_M, RANK]``
+        in a layout whose row / column slices are ``ROW_A`` / ``COL_A``; rows ``row0 + i`` =
+        ``token * H + head``) and its softmax state ``m_i`` / ``l_i`` (log2 max and sum,
+        ``[BLOCK_M]`` in ``ROW_S``): an unsplit request (``nsplit == 1``) stores ``out`` (its
+        dtype, ``[B, s_q, h, RANK]``) and ``lse`` (natural log, ``[B, h, s_q]``); a split one its
+        fp32 partial row ``p_row`` (``[cap, ROWS, RANK]``, log2 lse ``[cap, ROWS]``) while
+        ``p_row < partial_cap``. A row without keys gets ``out`` 0 and ``lse`` -inf."""
+        LN2: gl.constexpr = 0.6931471805599453
+        has_keys = l_i > 0.0
+        l_safe = gl.where(has_keys, l_i, 1.0)
+        lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+        o = acc / gl.convert_layout(l_safe, ROW_A)[:, None]
+        m_s = row0 + gl.arange(0, BLOCK_M, layout=ROW_S)
+        row_ok = m_s < ROWS
+        m_a = row0 + gl.arange(0, BLOCK_M, layout=ROW_A)
+        c_a = gl.arange(0, RANK, layout=COL_A)
+        ok_a = (m_a < ROWS)[:, None] & (c_a[None, :] < RANK)
+        m_rows = m_a.to(gl.int64)[:, None] * RANK + c_a[None, :]
+        if nsplit == 1:
+            gl.store(out_ptr + b64 * (ROWS * RANK) + m_rows, o.to(out_ptr.dtype.element_ty), mask=ok_a)
+            gl.store(lse_ptr + b64 * ROWS + (m_s % H) * SQ + m_s // H, lse2 * LN2, mask=row_ok)
+        elif p_row < partial_cap:
+            p64 = p_row.to(gl.int64)
+            gl.store(po_ptr + p64 * (ROWS * RANK) + m_rows, o, mask=ok_a)
+            gl.store(plse_ptr + p64 * ROWS + m_s, lse2, mask=row_ok)
