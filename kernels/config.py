@@ -697,6 +697,14 @@ def _ws_device() -> bool:
     return bool(decode_wgmma.WGMMA_WS)
 
 
+def _gluon_spec(spec: ModelSpec, fp8: bool) -> bool:
+    """Whether ``spec``'s shapes are those the Hopper Gluon kernels are written for
+    (``decode_wgmma.wgmma_plan``: rank 512 + rope 64, and for an FP8 cache scale groups of 128)."""
+    from . import decode_wgmma
+    return ((spec.kv_lora_rank, spec.qk_rope_head_dim) == (512, 64)
+            and (not fp8 or spec.fp8_group == decode_wgmma.FP8_GROUP))
+
+
 def _sm_count(device: torch.device) -> int:
     try:
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -738,7 +746,8 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     ``h100-2026-11-26-config-sweep-pageconst.json``) and the 64-row block above that, 17-32
     rows included (its padding rows masked; ``h100-2026-11-26-fp8-m64-h16.json``); 64-row
     blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key
-    tiles with P through memory (``decode_split.fp8_p_via_memory``) -- except on Hopper, where
+    tiles with P through memory (``decode_split.fp8_p_via_memory``) -- except on Hopper for
+    the shapes the Gluon kernels are written for (rank 512 + rope 64, FP8 groups of 128), where
     64-row blocks of 64-key tiles run the Gluon kernel ``kernels/decode_wgmma.py``, which there
     also takes h=16 bf16 at s_q=2 (its rows padded to 64; not the sparse decode), and h=16 FP8
     takes the few-row Gluon kernel ``kernels/decode_wgmma_keys.py`` (16/32-row blocks of
@@ -764,6 +773,10 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
                             num_warps=4, num_stages=1, combine_block_m=block_m,
                             fp8_grouped=_fp8_grouped_default(rows, "cpu"))
     grouped = _fp8_grouped_default(rows)
+    # the Gluon kernels' shapes only for a spec they are written for (wgmma_plan's checks: rank
+    # 512 + rope 64, FP8 groups of 128): other specs (the tiny one the fuzzer runs) keep the
+    # Triton kernel's own tuned blocks rather than Gluon-shaped ones that kernel would run
+    gluon = not sparse and _wgmma_device(device) and _gluon_spec(spec, fp8)
     # Re-swept on an H100 after the page size became a compile-time constant
     # (benchmarks/results/h100-2026-11-26-config-sweep-pageconst.json; B 8-128, L 1k-16k):
     min_tiles = 2
@@ -788,7 +801,7 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # bf16 unchanged
         block_m, block_n, warps, stages = (64, 128, 8, 1) if fp8 else (64, 64, 8, 2)
         min_tiles = 1 if fp8 else 2
-        if fp8 and not sparse and _wgmma_device(device):
+        if fp8 and gluon:
             # Hopper: the Gluon kernel (kernels/decode_wgmma.py; dense only), written for 64-key tiles:
             # 0.99-1.23x the Triton kernel's 128-key default above (h100-2026-11-26-wgmma-ab-fp8.json;
             # bf16 keeps its tiles, already 64 keys). Parts of two tiles, the 128 keys of the
@@ -796,7 +809,7 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
             # twice the pieces and ran 0.89x (h100-2026-11-26-kernel-9-*.json). These blocks now
             # run the warp-specialised kernels/decode_wgmma_ws64.py (decode_wgmma.ws64_taken)
             block_n, min_tiles = 64, 2
-    if not sparse and _wgmma_device(device) and rows <= 32 and (fp8 or rows > 16):
+    if gluon and rows <= 32 and (fp8 or rows > 16):
         # Hopper, h=16 (FP8 at s_q 1-2, bf16 at s_q=2): the Gluon 64-row kernel too, its
         # padding rows masked. Against the Triton defaults above over B 1-128, L 1k-16k: bf16
         # s_q=2 1.02-1.20x and FP8 s_q=1 0.96-1.15x (below 1 only at B=1, L 1k-4k) in parts of

@@ -161,6 +161,29 @@ def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
                                  block_n=cfg.block_n, num_warps=cfg.num_warps, capability=(9, 0)) is None, cfg
 
 
+def test_cuda_defaults_keep_the_triton_blocks_for_specs_the_gluon_kernels_do_not_take(monkeypatch):
+    """The Gluon kernels are written for rank 512 + rope 64 (FP8 groups of 128); for any other
+    spec (the tiny one the fuzzer runs on GPUs) ``wgmma_plan`` sends every launch to the Triton
+    kernel, so a Hopper device must give that spec the Triton kernel's own defaults -- the
+    configs an Ampere device gets -- not Gluon-shaped blocks. DeepSeek's shapes do get other
+    blocks on Hopper (h=128 FP8: 64-key tiles; h=16 FP8: 16 rows x 64 keys, 4 warps)."""
+    cuda = torch.device("cuda")
+
+    def config(spec, s_q, fp8, cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+        return default_config(spec, s_q, cuda, fp8=fp8)
+
+    for heads in (8, 16, 32):
+        for s_q in (1, 2, 4):
+            for fp8 in (False, True):
+                spec = ModelSpec.tiny(num_heads=heads)
+                hopper, ampere = config(spec, s_q, fp8, (9, 0)), config(spec, s_q, fp8, (8, 0))
+                assert hopper == ampere, (heads, s_q, fp8, hopper, ampere)
+    for heads, s_q in ((128, 1), (16, 1)):
+        deepseek = ModelSpec(num_heads=heads)
+        assert config(deepseek, s_q, True, (9, 0)) != config(deepseek, s_q, True, (8, 0)), (heads, s_q)
+
+
 def _spy_wgmma(monkeypatch, name="launch_decode_wgmma"):
     calls = []
     real = getattr(ds, name)
