@@ -33,6 +33,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -370,9 +371,11 @@ def main(argv=None) -> int:
     big = pick(lambda r: r["B"] >= 32)
     summary = {
         "mem_bound_h16_BL>=128k_min_bw_ratio": min((r["bw_ratio"] for r in mem), default=None),
-        "mem_bound_h16_BL>=128k_median_bw_ratio": sorted(r["bw_ratio"] for r in mem)[len(mem) // 2] if mem else None,
+        # medians of an even count: the mean of the middle two (before 2026-11-26's kernel-17
+        # run, the upper one of them)
+        "mem_bound_h16_BL>=128k_median_bw_ratio": statistics.median(r["bw_ratio"] for r in mem) if mem else None,
         "h128_sq2_max_flop_ratio": max((r["flop_ratio"] for r in comp), default=None),
-        "h128_sq2_median_flop_ratio": sorted(r["flop_ratio"] for r in comp)[len(comp) // 2] if comp else None,
+        "h128_sq2_median_flop_ratio": statistics.median(r["flop_ratio"] for r in comp) if comp else None,
         "B>=32_worst_x_roofline": max((r["x_roofline"] for r in big), default=None),
         # the same headlines on do_bench's times (its flush leaves dirty lines: module doc)
         "do_bench_mem_bound_h16_BL>=128k_min_bw_ratio": min((r["bw_ratio"] * r["time_us"] / r["time_us_do_bench"] for r in mem),
@@ -427,7 +430,7 @@ def sparse_main(args, t_start, gen, props, copy_tbps, mm_tflops) -> int:
                       f"x{r['x_roofline']:.2f} roof", flush=True)
     summary = {"sparse_cases": len(results),
                "sparse_worst_x_roofline": max((r["x_roofline"] for r in results), default=None),
-               "sparse_median_x_roofline": sorted(r["x_roofline"] for r in results)[len(results) // 2] if results else None}
+               "sparse_median_x_roofline": statistics.median(r["x_roofline"] for r in results) if results else None}
     print("# summary " + json.dumps(summary), flush=True)
     doc = {"gpu": props.name, "sms": props.multi_processor_count, "date": datetime.date.today().isoformat(),
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),

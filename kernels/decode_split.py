@@ -281,7 +281,8 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .decode_wgmma import launch_decode_wgmma, mark_unavailable, wgmma_plan, ws64_taken
+from .decode_wgmma import launch_decode_wgmma, mark_unavailable, pp_taken, wgmma_plan, ws64_taken
+from .decode_wgmma_pp import launch_decode_wgmma_pp
 from .decode_wgmma_keys import launch_decode_wgmma_keys
 from .decode_wgmma_ws import launch_decode_wgmma_ws
 from .decode_wgmma_ws64 import launch_decode_wgmma_ws64
@@ -937,14 +938,17 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     fp8 = kv_cache.dtype == torch.uint8
     if not dot_f32 and wgmma_plan(q, kv_cache, rank=rank, rope_dim=rope_dim, block_m=block_m, block_n=block_n,
                                   num_warps=num_warps, fp8_group=fp8_group) is None:
-        # Hopper: a Gluon kernel -- 64-row blocks the one of kernels/decode_wgmma.py, FP8 ones
-        # the warp-specialised decode_wgmma_ws64.py; FP8 few-row blocks of 4 warps the
+        # Hopper: a Gluon kernel -- 64-row blocks the ping-pong one of kernels/decode_wgmma_pp.py
+        # (16-bit, two or more row blocks; else, or with its switch off, the one of
+        # decode_wgmma.py), FP8 ones the
+        # warp-specialised decode_wgmma_ws64.py; FP8 few-row blocks of 4 warps the
         # warp-specialised decode_wgmma_ws.py, of 8 warps the keys-on-M decode_wgmma_keys.py. A
         # build failure (compile or resources: raised before anything is launched) sends this
         # and every later launch to this kernel, with a warning
         try:
             if block_m == 64:
-                launch = launch_decode_wgmma_ws64 if ws64_taken(kv_cache) else launch_decode_wgmma
+                launch = (launch_decode_wgmma_ws64 if ws64_taken(kv_cache) else
+                          launch_decode_wgmma_pp if pp_taken(q, kv_cache) else launch_decode_wgmma)
             else:
                 launch = launch_decode_wgmma_ws if num_warps == 4 else launch_decode_wgmma_keys
             launch(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,

@@ -70,12 +70,19 @@ tile with the QK of the next needs a third tile buffer or the two warpgroups wor
 alternate tiles (FlashMLA's "seesaw"); the 72 KiB q block leaves no room for the first, and
 the second needs warp-specialised partitions.
 
+A tile's page is loaded a tile ahead of its copies when a page holds whole tiles (pages of
+64+ keys, ``gluon_parts.tile_page``): level on this kernel's launches (bf16 h=16 x 2:
+0.98-1.04x, ``h100-2026-11-26-kernel-18*.json``), kept for the shared copy code.
+
 Taken by ``decode_split.launch_decode_split`` when ``wgmma_plan`` says so (CUDA device of
 compute capability 9.x, ``block_m == 64``, ``block_n == 64``, 8 warps, rank 512 + rope 64,
 a bf16/fp16 cache with q of its dtype or an FP8 cache of 128-value groups with bf16 q, the
 ``WGMMA_DECODE`` switch on) -- except FP8 launches while ``WGMMA_WS64`` is on, which the
 warp-specialised ``kernels/decode_wgmma_ws64.py`` runs instead (its producer partition
-dequantises the next tile while the dots run: 1.06-1.30x this kernel's FP8 at h=128); on such a device ``config.default_config`` gives it h=128 (bf16,
+dequantises the next tile while the dots run: 1.06-1.30x this kernel's FP8 at h=128), and
+16-bit launches of two or more row blocks and 16+ (request, row block) pairs while
+``WGMMA_PP`` is on, which the ping-pong ``kernels/decode_wgmma_pp.py`` runs (its two
+warpgroups on alternate tiles: 0.94-1.42x this kernel at h=128, ``pp_taken``); on such a device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles) and h=16 bf16 at s_q=2 (32 query rows in a 64-row block, the rest
 masked padding; the part sizes are in that function). h=16 FP8 takes a few-row kernel
 instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the warp-specialised one of
@@ -106,9 +113,11 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
-from .gluon_parts import copy_q_rows, part_bounds, request_span, softmax_rows_step, store_rows_result
+from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, softmax_rows_step, store_rows_result,
+                          tile_page)
 
-__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_WS64", "wgmma_plan", "ws64_taken", "launch_decode_wgmma", "mark_unavailable"]
+__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_WS64", "WGMMA_PP", "wgmma_plan", "ws64_taken", "pp_taken",
+           "launch_decode_wgmma", "mark_unavailable"]
 
 #: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
 #: tests turn it off to time / check the Triton kernel on the same GPU).
@@ -124,6 +133,10 @@ WGMMA_WS = True
 #: dequantises the next tile while the dots run) for the FP8 64-row blocks this module's kernel
 #: would otherwise run (a switch like ``WGMMA_WS``; off, this module's kernel runs them).
 WGMMA_WS64 = True
+#: Take the ping-pong 64-row kernel (``decode_wgmma_pp``: the two warpgroups on alternate tiles,
+#: each its own partition) for the 16-bit 64-row blocks this module's kernel would otherwise run
+#: (a switch like ``WGMMA_WS64``; off, this module's kernel runs them).
+WGMMA_PP = True
 #: Why this kernel cannot be built in this process (None: it can, as far as is known). Set
 #: by ``mark_unavailable`` when the first build fails -- a Triton whose Gluon differs from the
 #: one the kernel is written for (3.6) -- so that every later launch takes the Triton kernel.
@@ -195,6 +208,23 @@ def ws64_taken(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.uint8 and bool(WGMMA_WS64)
 
 
+def pp_taken(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether a 64-row launch that ``wgmma_plan`` admitted runs the ping-pong kernel of
+    ``decode_wgmma_pp`` rather than this module's (q ``[B, s_q, h, d]``, static facts only: the
+    choice is baked into a captured graph): a 16-bit cache ``[num_blocks, page, rank + rope]``,
+    more than one 64-row block of query rows (``m = ceil(s_q * h / 64) >= 2``), at least 16
+    (request, row block) pairs (``B * m >= 16``), and the ``WGMMA_PP`` switch on.
+
+    Why (H100, ``benchmarks/results/h100-2026-11-26-wgmma-pp-ab.json``): with one row block
+    every key tile is read by one program only and the decode is bound by its copies, which
+    the ping-pong kernel's one tile a warpgroup exposes (0.81-0.97x this kernel at h=16 x 2
+    and h=64, B 8-128); and at B=1 (2-4 programs of one or two tiles' pairs) its hand-overs
+    cost more than they overlap (0.88-0.97x, ``-kernel-17.json``)."""
+    m_blocks = -(-(q.shape[1] * q.shape[2]) // 64)
+    return (kv_cache.dtype in (torch.bfloat16, torch.float16) and m_blocks >= 2 and q.shape[0] * m_blocks >= 16
+            and bool(WGMMA_PP))
+
+
 def _few_row_reason(q: torch.Tensor, kv_cache: torch.Tensor, block_m: int, block_n: int, switch: str, on: bool,
                     kernel: str) -> Optional[str]:
     """``wgmma_plan``'s checks for a few-row FP8 kernel (the shape already matched): its
@@ -212,7 +242,7 @@ def _few_row_reason(q: torch.Tensor, kv_cache: torch.Tensor, block_m: int, block
 if gluon is not None:
 
     @gluon.jit
-    def _issue_tile(k_lat_buf, k_rope_buf, sc_buf, kv_ptr, bt_row, tile, seq_len, PAGE: gl.constexpr,
+    def _issue_tile(k_lat_buf, k_rope_buf, sc_buf, kv_ptr, bt_row, tile, seq_len, page0, PAGE: gl.constexpr,
                     RANK: gl.constexpr, ROPE: gl.constexpr, NG: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
                     BLOCK_N: gl.constexpr, FP8: gl.constexpr, LAT_L: gl.constexpr, ROPE_L: gl.constexpr,
                     SC_L: gl.constexpr):
@@ -220,31 +250,28 @@ if gluon is not None:
         # tile past the request, issued to keep the group count uniform) are masked: cp.async
         # writes zeros for them, so a NaN-poisoned stale slot never reaches a dot.
         # A 16-bit cache: the latent and the rope of each key. FP8: the e4m3 codes, the fp32
-        # group scales and the bf16 rope (token layout codes | scales | rope).
+        # group scales and the bf16 rope (token layout codes | scales | rope). The keys' rows:
+        # in page ``page0`` (``tile_page``, loaded a tile ahead) when a page holds whole tiles.
         offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAT_L))
         kv_ok = offs_n < seq_len
-        # -- key positions -> cache slots (the block table; the sparse-decode hook)
-        page = gl.load(bt_row + offs_n // PAGE, mask=kv_ok, other=0)
-        row = (page.to(gl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+        row = key_rows(kv_ptr, bt_row, offs_n, kv_ok, page0, PAGE, BLOCK_N, TOKEN_STRIDE)
         cols = gl.arange(0, RANK, layout=gl.SliceLayout(0, LAT_L))
-        async_copy.async_copy_global_to_shared(k_lat_buf, kv_ptr + row[:, None] + cols[None, :],
+        async_copy.async_copy_global_to_shared(k_lat_buf, row[:, None] + cols[None, :],
                                                mask=kv_ok[:, None] & (cols[None, :] < RANK))
         offs_nr = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
         ok_r = offs_nr < seq_len
-        page_r = gl.load(bt_row + offs_nr // PAGE, mask=ok_r, other=0)
+        row_r = key_rows(kv_ptr, bt_row, offs_nr, ok_r, page0, PAGE, BLOCK_N, TOKEN_STRIDE)
         cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
         if FP8:
-            rope_at = (kv_ptr + (page_r.to(gl.int64) * PAGE + offs_nr % PAGE) * TOKEN_STRIDE + RANK + 4 * NG)
-            rope_ptr = rope_at.to(gl.pointer_type(k_rope_buf.dtype))
+            rope_ptr = (row_r + RANK + 4 * NG).to(gl.pointer_type(k_rope_buf.dtype))
         else:
-            rope_ptr = kv_ptr + (page_r.to(gl.int64) * PAGE + offs_nr % PAGE) * TOKEN_STRIDE + RANK
+            rope_ptr = row_r + RANK
         async_copy.async_copy_global_to_shared(k_rope_buf, rope_ptr[:, None] + cols_r[None, :],
                                                mask=ok_r[:, None] & (cols_r[None, :] < ROPE))
         if FP8:
             offs_ns = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SC_L))
             ok_s = offs_ns < seq_len
-            page_s = gl.load(bt_row + offs_ns // PAGE, mask=ok_s, other=0)
-            sc_at = (kv_ptr + (page_s.to(gl.int64) * PAGE + offs_ns % PAGE) * TOKEN_STRIDE + RANK)
+            sc_at = key_rows(kv_ptr, bt_row, offs_ns, ok_s, page0, PAGE, BLOCK_N, TOKEN_STRIDE) + RANK
             cols_s = gl.arange(0, NG, layout=gl.SliceLayout(0, SC_L))
             async_copy.async_copy_global_to_shared(sc_buf, sc_at.to(gl.pointer_type(gl.float32))[:, None]
                                                    + cols_s[None, :], mask=ok_s[:, None] & (cols_s[None, :] < NG))
@@ -346,13 +373,14 @@ if gluon is not None:
                 copy_q_rows(q_ptr + b64 * (ROWS * D), pid_m * BLOCK_M, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
                             ROPE_L)
                 _issue_tile(codes_s.index(0), k_rope_s.index(0), sc_s.index(0), kv_ptr, bt_row, t0, seq_len,
-                            PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, FP8, LAT_L, ROPE_L, SC_L)
+                            tile_page(bt_row, t0, t1, PAGE, BLOCK_N), PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, FP8, LAT_L, ROPE_L, SC_L)
                 async_copy.commit_group()
 
                 m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
                 l_i = gl.full([BLOCK_M], 0.0, gl.float32, ROW_S)
                 # carried through the loop as an in-flight wgmma accumulator
                 acc = warpgroup_mma_init(gl.full([BLOCK_M, RANK], 0.0, gl.float32, ACC_L))
+                pg_next = tile_page(bt_row, t0 + 1, t1, PAGE, BLOCK_N)
                 for tile in range(t0, t1):
                     buf = (tile - t0) % 2
                     # the PV dot of the previous tile (which read the other buffer, or the one
@@ -361,9 +389,11 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     gl.thread_barrier()
                     _issue_tile(codes_s.index(1 - buf), k_rope_s.index(1 - buf), sc_s.index(1 - buf), kv_ptr,
-                                bt_row, tile + 1, gl.where(tile + 1 < t1, seq_len, 0), PAGE, RANK, ROPE, NG,
+                                bt_row, tile + 1, gl.where(tile + 1 < t1, seq_len, 0), pg_next, PAGE, RANK, ROPE, NG,
                                 TOKEN_STRIDE, BLOCK_N, FP8, LAT_L, ROPE_L, SC_L)
                     async_copy.commit_group()
+                    # the page of the tile after, for the next trip's copies
+                    pg_next = tile_page(bt_row, tile + 2, t1, PAGE, BLOCK_N)
                     # this tile's group (all but the one just issued) has landed, for every thread,
                     # and is visible to the tensor cores' (async proxy) reads
                     async_copy.wait_group(1)

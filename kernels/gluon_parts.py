@@ -1,4 +1,5 @@
-"""Pieces shared by the Gluon decode kernels (``decode_wgmma``, ``decode_wgmma_keys``, ``decode_wgmma_ws``).
+"""Pieces shared by the Gluon decode kernels (``decode_wgmma``, ``decode_wgmma_keys``, ``decode_wgmma_ws``,
+``decode_wgmma_ws64``, ``decode_wgmma_pp``).
 
 The planner (``kernels/planner.py``) writes ``part_info`` ``[num_parts + 1, 3]`` int32: part
 ``p`` covers the key tiles from row ``p``'s ``(request, tile, piece)`` to row ``p + 1``'s.
@@ -14,7 +15,10 @@ a request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_resu
 64-row kernels (``decode_wgmma`` and its warp-specialised FP8 counterpart ``decode_wgmma_ws64``:
 the query rows on the wgmma M axis, scores ``S [64, keys]``, accumulator ``[64, 512]``) share
 q's copy, the online-softmax step along the key axis and the stores (``copy_q_rows``,
-``softmax_rows_step``, ``store_rows_result``).
+``softmax_rows_step``, ``store_rows_result``; the ping-pong ``decode_wgmma_pp`` the last two,
+its stores a 256-column half at a time). The three 64-row kernels find a tile's cache rows
+alike: its page read a tile or two ahead when a page holds whole tiles (``tile_page``,
+``key_rows``).
 """
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
-__all__ = ["part_bounds", "request_span", "q_rows_to_fp16", "softmax_keys_step", "store_keys_result", "copy_q_rows",
-           "softmax_rows_step", "store_rows_result"]
+__all__ = ["part_bounds", "request_span", "tile_page", "key_rows", "q_rows_to_fp16", "softmax_keys_step",
+           "store_keys_result", "copy_q_rows", "softmax_rows_step", "store_rows_result"]
 
 if gluon is not None:
 
@@ -59,6 +63,34 @@ if gluon is not None:
         nsplit = gl.load(nsplit_ptr + b)
         p_row = gl.load(off_ptr + b) + gl.where(b == b_first, j_first, 0)
         return seq_len, t0, t1, nsplit, p_row
+
+    @gluon.jit
+    def tile_page(bt_row, tile, t1, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The cache page holding key tile ``tile`` (``BLOCK_N`` keys) when a page holds whole
+        tiles (``PAGE`` a multiple of ``BLOCK_N``), read from the request's block-table row
+        ``bt_row`` (0 for ``tile >= t1``); else 0, unused. An int32 scalar a kernel loads a tile
+        or two ahead of the tile's copies, so that the block-table read's latency stays off
+        their path (``key_rows``)."""
+        if PAGE % BLOCK_N == 0:
+            page0 = gl.load(bt_row + (tile * BLOCK_N) // PAGE, mask=tile < t1, other=0)
+        else:
+            page0 = tile * 0
+        return page0
+
+    @gluon.jit
+    def key_rows(kv_ptr, bt_row, offs_n, ok, page0, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 TOKEN_STRIDE: gl.constexpr):
+        """Pointers to the cache rows (``kv_ptr``: ``[num_blocks, PAGE, TOKEN_STRIDE]``, any
+        element type) of the keys ``offs_n`` (``[BLOCK_N]`` int32 positions of one tile, in any
+        layout; ``ok`` the real ones): in page ``page0`` (``tile_page``'s, loaded ahead) when a
+        page holds whole tiles -- a scalar base and 32-bit offsets -- else each key's page
+        through the block-table row ``bt_row``."""
+        if PAGE % BLOCK_N == 0:
+            rows = kv_ptr + page0.to(gl.int64) * (PAGE * TOKEN_STRIDE) + (offs_n % PAGE) * TOKEN_STRIDE
+        else:
+            page = gl.load(bt_row + offs_n // PAGE, mask=ok, other=0)
+            rows = kv_ptr + (page.to(gl.int64) * PAGE + offs_n % PAGE) * TOKEN_STRIDE
+        return rows
 
     @gluon.jit
     def q_rows_to_fp16(q_at, q_ok, q_lat_s):
@@ -162,9 +194,10 @@ if gluon is not None:
     def store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr, po_ptr, plse_ptr,
                           ROWS, SQ, H, BLOCK_M: gl.constexpr, RANK: gl.constexpr, ROW_S: gl.constexpr,
                           ROW_A: gl.constexpr, COL_A: gl.constexpr):
-        """A request's result from a 64-row kernel's accumulator ``acc`` (fp32 ``[BLOCK_M, RANK]``
-        in a layout whose row / column slices are ``ROW_A`` / ``COL_A``; rows ``row0 + i`` =
-        ``token * H + head``) and its softmax state ``m_i`` / ``l_i`` (log2 max and sum,
+        """A request's result from a 64-row kernel's accumulator ``acc`` (fp32 ``[BLOCK_M, C]`` in a
+        layout whose row / column slices are ``ROW_A`` / ``COL_A``; rows ``row0 + i`` = ``token * H
+        + head``; its C columns the first C of the rows of ``RANK`` that ``out_ptr`` / ``po_ptr``
+        point at: ``C = RANK``, or a column block with the pointers moved to it) and its softmax state ``m_i`` / ``l_i`` (log2 max and sum,
         ``[BLOCK_M]`` in ``ROW_S``): an unsplit request (``nsplit == 1``) stores ``out`` (its
         dtype, ``[B, s_q, h, RANK]``) and ``lse`` (natural log, ``[B, h, s_q]``); a split one its
         fp32 partial row ``p_row`` (``[cap, ROWS, RANK]``, log2 lse ``[cap, ROWS]``) while
@@ -177,7 +210,7 @@ if gluon is not None:
         m_s = row0 + gl.arange(0, BLOCK_M, layout=ROW_S)
         row_ok = m_s < ROWS
         m_a = row0 + gl.arange(0, BLOCK_M, layout=ROW_A)
-        c_a = gl.arange(0, RANK, layout=COL_A)
+        c_a = gl.arange(0, acc.shape[1], layout=COL_A)
         ok_a = (m_a < ROWS)[:, None] & (c_a[None, :] < RANK)
         m_rows = m_a.to(gl.int64)[:, None] * RANK + c_a[None, :]
         if nsplit == 1:

@@ -206,14 +206,15 @@ def test_layer_matches_reference_gpu(kv):
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
     """Capture forward once; replays after new builds must equal eager forwards bitwise
-    (on Hopper: bf16 h=128 and bf16 h=16 x 2 run the Gluon 64-row kernel, kernels/decode_wgmma.py,
-    FP8 h=128 its warp-specialised counterpart, kernels/decode_wgmma_ws64.py; FP8 h=16 the
+    (on Hopper: bf16 h=128 runs the Gluon ping-pong 64-row kernel, kernels/decode_wgmma_pp.py,
+    bf16 h=16 x 2 the plain 64-row one, kernels/decode_wgmma.py, FP8 h=128 the warp-specialised
+    64-row one, kernels/decode_wgmma_ws64.py; FP8 h=16 the
     warp-specialised few-row one, kernels/decode_wgmma_ws.py, at 16 rows and the keys-on-M one,
     kernels/decode_wgmma_keys.py, at 32 -- asserted)."""
     import kernels.decode_split as ds
     launched = []
     for name in ("launch_decode_wgmma", "launch_decode_wgmma_keys", "launch_decode_wgmma_ws",
-                 "launch_decode_wgmma_ws64"):
+                 "launch_decode_wgmma_ws64", "launch_decode_wgmma_pp"):
         real = getattr(ds, name)
         monkeypatch.setattr(ds, name, lambda *a, _real=real, _name=name, **k: (launched.append(_name),
                                                                                _real(*a, **k))[1])
@@ -256,7 +257,9 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
         elif kv == "fp8":
             want = {"launch_decode_wgmma_ws64"}
         else:  # bf16 at 16 rows keeps the Triton kernel
-            want = set() if (heads, next_n) == (16, 1) else {"launch_decode_wgmma"}
+            # (4 padded requests: h=128 x 2 is 16 (request, row block) pairs)
+            want = ({"launch_decode_wgmma_pp"} if heads * next_n > 64 else
+                    set() if (heads, next_n) == (16, 1) else {"launch_decode_wgmma"})
         assert set(launched) == want, launched
 
 

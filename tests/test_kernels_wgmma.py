@@ -118,6 +118,31 @@ def test_fp8_64_row_blocks_take_the_warp_specialised_kernel(monkeypatch):
     assert dw.wgmma_plan(fq, fkv, capability=(9, 0), **_KW) is None
 
 
+def test_16_bit_64_row_blocks_take_the_ping_pong_kernel(monkeypatch):
+    """Of the 64-row launches ``wgmma_plan`` admits, bf16 / fp16 ones of two or more row blocks
+    and at least 16 (request, row block) pairs run the ping-pong kernel
+    (kernels/decode_wgmma_pp.py) while ``WGMMA_PP`` is on; one row block (up to 64 query
+    rows), smaller batches and FP8 never; the plan itself does not depend on that switch."""
+    kv = torch.empty(4, 64, 576, dtype=torch.bfloat16)
+    half = torch.empty(4, 64, 576, dtype=torch.float16)
+
+    def q(batch, heads, s_q, dtype=torch.bfloat16):
+        return torch.empty(batch, s_q, heads, 576, dtype=dtype)
+
+    for batch, heads, s_q in ((8, 128, 1), (4, 128, 2), (8, 20, 4), (8, 65, 1), (6, 33, 4), (128, 128, 2)):
+        assert dw.pp_taken(q(batch, heads, s_q), kv), (batch, heads, s_q)
+        assert dw.pp_taken(q(batch, heads, s_q, torch.float16), half), (batch, heads, s_q)
+    for batch, heads, s_q in ((128, 64, 1), (128, 16, 2), (128, 32, 2), (128, 16, 4), (1, 128, 1), (1, 128, 2),
+                              (7, 128, 1), (3, 128, 2), (5, 33, 4)):
+        assert not dw.pp_taken(q(batch, heads, s_q), kv), (batch, heads, s_q)
+    fkv = torch.empty(4, 64, 656, dtype=torch.uint8)
+    assert not dw.pp_taken(q(8, 128, 2), fkv)
+    assert not dw.pp_taken(q(8, 128, 2, torch.float32), torch.empty(4, 64, 576, dtype=torch.float32))
+    monkeypatch.setattr(dw, "WGMMA_PP", False)
+    assert not dw.pp_taken(q(8, 128, 2), kv)
+    assert dw.wgmma_plan(q(8, 128, 2), kv, capability=(9, 0), **_KW) is None
+
+
 def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
     """A Gluon that cannot build the kernel (another Triton) is reported once and then every
     plan names the failure, so the Triton kernel runs."""
@@ -209,12 +234,14 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     x 4 tokens leaves padding rows in the last block. The switch decides which kernel runs
     (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the warp-specialised few-row
     kernel at s_q=1 and the keys-on-M one at s_q=2, the other FP8 cases the warp-specialised
-    64-row one, the rest the 64-row one)."""
+    64-row one, 16-bit ones of more than 64 query rows the ping-pong 64-row one, the rest the
+    plain 64-row one)."""
     monkeypatch.setattr(dw, "WGMMA_DECODE", on)
     calls = _spy_wgmma(monkeypatch)
     keys_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
     ws_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws")
     ws64_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
+    pp_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_pp")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
     few = kv == "fp8" and heads * s_q <= 32
@@ -231,11 +258,12 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
     if few:
-        want = (0, 0, 1, 0) if heads * s_q <= 16 else (0, 1, 0, 0)
+        want = (0, 0, 1, 0, 0) if heads * s_q <= 16 else (0, 1, 0, 0, 0)
     else:
-        want = (0, 0, 0, 1) if kv == "fp8" else (1, 0, 0, 0)
-    got = (len(calls), len(keys_calls), len(ws_calls), len(ws64_calls))
-    assert got == (want if on and hopper else (0, 0, 0, 0))
+        # (9 requests: every 16-bit case of two or more row blocks has 16+ pairs)
+        want = (0, 0, 0, 1, 0) if kv == "fp8" else ((0, 0, 0, 0, 1) if heads * s_q > 64 else (1, 0, 0, 0, 0))
+    got = (len(calls), len(keys_calls), len(ws_calls), len(ws64_calls), len(pp_calls))
+    assert got == (want if on and hopper else (0, 0, 0, 0, 0))
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
@@ -341,21 +369,67 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads,s_q,page,kv", [(128, 1, 64, "bf16"), (128, 1, 16, "fp16"), (128, 2, 128, "bf16"),
+                                               (72, 1, 32, "fp16"), (20, 4, 64, "bf16"), (128, 2, 32, "bf16")])
+@pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
+@pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
+@pytest.mark.parametrize("pp", [True, False], ids=["ping-pong", "64-row"])
+def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, parts, pp, monkeypatch):
+    """The ping-pong 64-row kernel (kernels/decode_wgmma_pp.py: warpgroup A on a request's even
+    tiles, B on its odd ones, handing P, the running max and the row sums over) and, by its
+    switch, the 64-row kernel it replaces, against mla_ref at DeepSeek size with bf16 and fp16
+    caches, in the launches it takes (two or more row blocks): h=128 at s_q 1-2 (two and four
+    row blocks), h=72 (56 padding rows in the second block) and h=20 x 4 tokens (48 padding
+    rows, mixed query lengths); pages of 16-32 keys (each key's row through the block table)
+    and of 64-128 (a tile's page looked up a pair ahead). Lengths of 1-5 tiles and around the
+    pages (odd counts end on A's tile alone, even ones on B's), a
+    9000-key request split over many parts (a piece may start on any tile), empty requests
+    (both partitions must skip them alike), NaN in every stale slot and padding query token;
+    ``big_q``: q times 2**2 and the softmax scale times 2**-2 (larger logits: more rescaling;
+    bf16 / fp16 q leave no room for the few-row kernels' 2**17); ``parts``: the default plan,
+    or 3 parts of many tiles and requests each (the hand-overs' phases wrap many times)."""
+    monkeypatch.setattr(dw, "WGMMA_PP", pp)
+    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_pp")
+    plain = _spy_wgmma(monkeypatch)
+    spec = ModelSpec(num_heads=heads)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=False).with_(block_m=64, block_n=64, num_warps=8)
+    if parts:
+        cfg = cfg.with_(num_parts=parts)
+    seq = [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 320, 2000]
+    ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
+    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype=kv, seed=43, device="cuda")
+    big = 4.0 if big_q else 1.0
+    out, lse = kernels.mla_decode(case.q * big, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, softmax_scale=spec.softmax_scale / big, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype],
+                        what=f"h={heads} s_q={s_q} page={page} {kv} big={big_q} parts={parts}")
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert (len(calls), len(plain)) == (((1, 0) if pp else (0, 1)) if hopper else (0, 0))
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel,heads,s_q,kv", [("_decode_wgmma_kernel", 128, 2, "bf16"),
+                                                 ("_decode_pp_kernel", 128, 2, "bf16"),
                                                  ("_decode_keys_kernel", 16, 2, "fp8"),
                                                  ("_decode_ws_kernel", 16, 1, "fp8"),
                                                  ("_decode_ws64_kernel", 128, 1, "fp8")],
-                         ids=["64-row", "keys", "ws", "ws64"])
+                         ids=["64-row", "pp", "keys", "ws", "ws64"])
 def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monkeypatch):
     """A Gluon kernel failing to build (here: a resource error raised by its launch) gives a
-    warning and the Triton kernel's result, for this launch and the next (the 64-row kernel
-    at h=128 bf16, the keys-on-M one at h=16 FP8 s_q=2, the warp-specialised ones at h=16 FP8
+    warning and the Triton kernel's result, for this launch and the next (the ping-pong
+    64-row kernel at h=128 bf16, and the plain one with the ping-pong one off; the keys-on-M
+    one at h=16 FP8 s_q=2, the warp-specialised ones at h=16 FP8
     s_q=1 and h=128 FP8: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
     import kernels.decode_wgmma_keys as dk
     import kernels.decode_wgmma_ws as dws
     import kernels.decode_wgmma_ws64 as dws64
+    import kernels.decode_wgmma_pp as dpp
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
+    # the 64-row kernel runs 16-bit caches with the ping-pong one switched off
+    monkeypatch.setattr(dw, "WGMMA_PP", kernel == "_decode_pp_kernel")
 
     class Unbuildable:
         def __getitem__(self, grid):
@@ -364,11 +438,12 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
             return launch
 
     module = {"_decode_wgmma_kernel": dw, "_decode_keys_kernel": dk, "_decode_ws_kernel": dws,
-              "_decode_ws64_kernel": dws64}[kernel]
+              "_decode_ws64_kernel": dws64, "_decode_pp_kernel": dpp}[kernel]
     monkeypatch.setattr(module, kernel, Unbuildable())
     spec = ModelSpec(num_heads=heads)
-    case = make_case(spec, seq_lens=[700, 0, 65], q_lens=[s_q, 0, 1], s_q=s_q, page_size=64, kv_dtype=kv, seed=3,
-                     device="cuda")
+    # five requests: h=128 x 2 is then 20 (request, row block) pairs, enough for the ping-pong kernel
+    case = make_case(spec, seq_lens=[700, 0, 65, 129, 1], q_lens=[s_q, 0, 1, s_q, 1], s_q=s_q, page_size=64,
+                     kv_dtype=kv, seed=3, device="cuda")
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     with pytest.warns(RuntimeWarning, match="did not build"):
         out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
