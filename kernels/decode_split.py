@@ -207,7 +207,9 @@ Hopper at 64-row blocks. On a GPU of compute capability 9.x, a launch of 64-row 
 warpgroups, hands P over through shared memory and keeps the PV dot in flight across the next
 tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc); FP8 blocks go to its
 warp-specialised counterpart, ``kernels/decode_wgmma_ws64.py`` (a producer partition
-dequantises the next tile while the dots run). There the CUDA defaults
+dequantises the next tile while the dots run), and 16-bit ones of two or more row blocks (and
+16+ request x row-block pairs) to the ping-pong ``kernels/decode_wgmma_pp.py`` (its two
+warpgroups on alternate tiles; ``decode_wgmma.pp_taken``). There the CUDA defaults
 (``config.default_config``) give them h=128 (bf16, fp16, FP8) and h=16 bf16 at s_q=2,
 padding rows and all; h=16 FP8 (16-32 rows, bf16 queries) takes the few-row Gluon kernel of
 ``kernels/decode_wgmma_keys.py`` (16/32-row blocks of 128-key tiles; the same plan, keys on
