@@ -94,6 +94,33 @@ if gluon is not None:
                                             order=[1, 0]))
     _ROPE_L = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0]))
+    # the rows of a score tile and of the accumulator, the accumulator's columns
+    _ROW_S = gl.constexpr(gl.SliceLayout(1, _S_L.value))
+    _ROW_A = gl.constexpr(gl.SliceLayout(1, _ACC_L.value))
+    _COL_A = gl.constexpr(gl.SliceLayout(0, _ACC_L.value))
+
+    @gluon.jit
+    def _pp_program(part_ptr, ctxw_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        # What either partition needs of its program: the part's bounds (``part_bounds``), the
+        # row block's first row, the context-lens width, and its rows and a tile's keys in the
+        # score layout's slices
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
+        row0 = gl.program_id(1) * BLOCK_M
+        m_s = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _S_L))
+        n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_L))
+        return b_first, t_first, j_first, b_end, t_end, b_last, row0, gl.load(ctxw_ptr), m_s, n_s
+
+    @gluon.jit
+    def _pp_request(b, b_first, t_first, j_first, b_end, t_end, seq_ptr, nsplit_ptr, off_ptr, bt_ptr, bt_stride,
+                    ctx_ptr, ctx_w, m_s, SQ, H, BLOCK_N: gl.constexpr):
+        # Request b of the part, in either partition: ``request_span``'s facts, its block-table
+        # row, and the visible context of each of the block's rows ``m_s`` (0 for padding rows)
+        b64 = b.to(gl.int64)
+        seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr, nsplit_ptr,
+                                                      off_ptr, BLOCK_N)
+        tok = m_s // H
+        ctx = gl.load(ctx_ptr + b64 * ctx_w + tok, mask=(m_s < SQ * H) & (tok < ctx_w) & (t1 > t0), other=0)
+        return b64, seq_len, t0, t1, nsplit, p_row, bt_ptr + b64 * bt_stride, ctx
 
     @gluon.jit
     def _pp_copy_rows(lo_s, hi_s, rope_s, row_at, ok, ok_r, row_at_r, RANK: gl.constexpr, HALF_L: gl.constexpr,
@@ -178,56 +205,39 @@ if gluon is not None:
                  po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s, pready, free,
                  qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-        HALF_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
-                                                order=[1, 0])
-        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                                order=[1, 0])
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-        ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
-        COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
         D: gl.constexpr = RANK + kr_s.shape[2]
-        pid_p = gl.program_id(0)
-        row0 = gl.program_id(1) * BLOCK_M
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
-        ctx_w = gl.load(ctxw_ptr)
-        m_s = row0 + gl.arange(0, BLOCK_M, layout=ROW_S)
-        n_s = gl.arange(0, BLOCK_N, layout=COL_S)
-        tok_s = m_s // H
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(part_ptr, ctxw_ptr, BLOCK_M,
+                                                                                         BLOCK_N)
         ka = 0  # A's tiles so far (the free[0] phases), and B's (the pready[1] phases)
         kb = 0
         nreq = 0
         for b in range(b_first, b_last + 1):
-            b64 = b.to(gl.int64)
-            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
-                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            b64, seq_len, t0, t1, nsplit, p_row, bt_row, ctx = _pp_request(
+                b, b_first, t_first, j_first, b_end, t_end, seq_ptr, nsplit_ptr, off_ptr, bt_ptr, bt_stride, ctx_ptr,
+                ctx_w, m_s, SQ, H, BLOCK_N)
             if t1 > t0:
-                bt_row = bt_ptr + b64 * bt_stride
-                ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=(m_s < ROWS) & (tok_s < ctx_w), other=0)
                 # q (B handed its sums of the last request over: done with that q), then tile t0
                 # into buffer 0 once B is done with the last tile there
-                rows_q = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, HALF_L))
-                rows_qr = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROPE_L))
+                rows_q = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _HALF_L))
+                rows_qr = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _ROPE_L))
                 q_row = q_ptr + b64 * (ROWS * D)
                 _pp_copy_rows(q_lat_s.index(0), q_lat_s.index(1), q_rope_s.index(0), q_row + rows_q.to(gl.int64) * D,
-                              rows_q < ROWS, rows_qr < ROWS, q_row + rows_qr.to(gl.int64) * D, RANK, HALF_L, ROPE_L)
+                              rows_q < ROWS, rows_qr < ROWS, q_row + rows_qr.to(gl.int64) * D, RANK, _HALF_L, _ROPE_L)
                 async_copy.commit_group()
                 mbarrier.wait(free.index(0), (ka & 1) ^ 1)
                 _pp_copy_tile(k_s, kr_s, 0, kv_ptr, bt_row, t0, seq_len, tile_page(bt_row, t0, t1, PAGE, BLOCK_N),
-                              PAGE, RANK, TOKEN_STRIDE, BLOCK_N, HALF_L,
-                              ROPE_L)
+                              PAGE, RANK, TOKEN_STRIDE, BLOCK_N, _HALF_L,
+                              _ROPE_L)
                 async_copy.commit_group()
                 async_copy.wait_group(1)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(qready.index(0))
 
-                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
-                l_i = gl.full([BLOCK_M], 0.0, gl.float32, ROW_S)
-                acc = warpgroup_mma_init(gl.full([BLOCK_M, RANK // 2], 0.0, gl.float32, ACC_L))
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, _ROW_S)
+                l_i = gl.full([BLOCK_M], 0.0, gl.float32, _ROW_S)
+                acc = warpgroup_mma_init(gl.full([BLOCK_M, RANK // 2], 0.0, gl.float32, _ACC_L))
                 for j in range(0, (t1 - t0 + 1) // 2):
                     tile = t0 + 2 * j
                     z = (tile < 0).to(gl.int32)  # 0, opaque to the compiler (see _pp_scores)
@@ -240,11 +250,11 @@ if gluon is not None:
                     async_copy.wait_group(0)
                     fence_async_shared()
                     gl.thread_barrier()
-                    s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z, z, S_L)
+                    s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z, z, _S_L)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                     p, alpha, m_i, l_i = softmax_rows_step(s * qk_scale, m_i, l_i, ctx, tile * BLOCK_N + n_s, seq_len)
                     _pp_hand_over(p, m_i, kr_s, mx_s, z, pready)
-                    acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
+                    acc = acc * gl.convert_layout(alpha, _ROW_A)[:, None]
                     acc = warpgroup_mma(kr_s.index(z), k_s.index(z), acc, is_async=True)
                     ka += 1
                     if tile + 1 < t1:
@@ -252,20 +262,20 @@ if gluon is not None:
                         mbarrier.wait(pready.index(1), kb & 1)
                         kb += 1
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                        m_i, l_i, acc = _pp_rescale_to(m_i, l_i, acc, mx_s, z + 1, ROW_S, ROW_A)
+                        m_i, l_i, acc = _pp_rescale_to(m_i, l_i, acc, mx_s, z + 1, _ROW_S, _ROW_A)
                         acc = warpgroup_mma(kr_s.index(z + 1), k_s.index(z + 2), acc, is_async=True)
                         if tile + 2 < t1:
                             # the next own tile, once B is done with this one's buffer
                             mbarrier.wait(free.index(0), (ka & 1) ^ 1)
                             _pp_copy_tile(k_s, kr_s, 0, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK, TOKEN_STRIDE,
-                                          BLOCK_N, HALF_L, ROPE_L)
+                                          BLOCK_N, _HALF_L, _ROPE_L)
                             async_copy.commit_group()
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 if (t1 - t0) % 2 == 0:
                     gl.thread_barrier()
                     mbarrier.arrive(free.index(1))
                 _pp_finish(acc, m_i, l_i, lx_s, lready, 0, nreq, 0, row0, b64, nsplit, p_row, partial_cap, out_ptr,
-                           lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
+                           lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, _ROW_S, _ROW_A, _COL_A)
                 nreq += 1
 
     @gluon.jit
@@ -273,46 +283,29 @@ if gluon is not None:
                 po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s, pready, free,
                 qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-        HALF_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
-                                                order=[1, 0])
-        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                                order=[1, 0])
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
-        ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
-        COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
         HALF: gl.constexpr = RANK // 2
-        pid_p = gl.program_id(0)
-        row0 = gl.program_id(1) * BLOCK_M
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
-        ctx_w = gl.load(ctxw_ptr)
-        m_s = row0 + gl.arange(0, BLOCK_M, layout=ROW_S)
-        n_s = gl.arange(0, BLOCK_N, layout=COL_S)
-        tok_s = m_s // H
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(part_ptr, ctxw_ptr, BLOCK_M,
+                                                                                         BLOCK_N)
         ka = 0  # A's tiles so far (the pready[0] phases), and B's (the free[1] phases)
         kb = 0
         nreq = 0
         for b in range(b_first, b_last + 1):
-            b64 = b.to(gl.int64)
-            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
-                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            b64, seq_len, t0, t1, nsplit, p_row, bt_row, ctx = _pp_request(
+                b, b_first, t_first, j_first, b_end, t_end, seq_ptr, nsplit_ptr, off_ptr, bt_ptr, bt_stride, ctx_ptr,
+                ctx_w, m_s, SQ, H, BLOCK_N)
             if t1 > t0:
-                bt_row = bt_ptr + b64 * bt_stride
-                ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=(m_s < ROWS) & (tok_s < ctx_w), other=0)
                 if t0 + 1 < t1:
                     mbarrier.wait(free.index(1), (kb & 1) ^ 1)
                     _pp_copy_tile(k_s, kr_s, 1, kv_ptr, bt_row, t0 + 1, seq_len,
                                   tile_page(bt_row, t0 + 1, t1, PAGE, BLOCK_N), PAGE, RANK, TOKEN_STRIDE, BLOCK_N,
-                                  HALF_L, ROPE_L)
+                                  _HALF_L, _ROPE_L)
                     async_copy.commit_group()
                 mbarrier.wait(qready.index(0), nreq & 1)
 
-                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
-                l_i = gl.full([BLOCK_M], 0.0, gl.float32, ROW_S)
-                acc = warpgroup_mma_init(gl.full([BLOCK_M, HALF], 0.0, gl.float32, ACC_L))
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, _ROW_S)
+                l_i = gl.full([BLOCK_M], 0.0, gl.float32, _ROW_S)
+                acc = warpgroup_mma_init(gl.full([BLOCK_M, HALF], 0.0, gl.float32, _ACC_L))
                 for j in range(0, (t1 - t0 + 1) // 2):
                     tile = t0 + 2 * j + 1
                     z = (tile < 0).to(gl.int32)  # 0, opaque to the compiler (see _pp_scores)
@@ -324,10 +317,10 @@ if gluon is not None:
                         fence_async_shared()
                         gl.thread_barrier()
                         # own QK runs while A's softmax does
-                        s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z + 1, z, S_L)
+                        s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z + 1, z, _S_L)
                         mbarrier.wait(pready.index(0), ka & 1)
                         ka += 1
-                        m_i, l_i, acc = _pp_rescale_to(m_i, l_i, acc, mx_s, z, ROW_S, ROW_A)
+                        m_i, l_i, acc = _pp_rescale_to(m_i, l_i, acc, mx_s, z, _ROW_S, _ROW_A)
                         acc = warpgroup_mma(kr_s.index(z), k_s.index(z + 1), acc, is_async=True)
                         # the QK (issued before that P V) is done
                         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
@@ -337,7 +330,7 @@ if gluon is not None:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                         gl.thread_barrier()
                         mbarrier.arrive(free.index(0))
-                        acc = acc * gl.convert_layout(beta, ROW_A)[:, None]
+                        acc = acc * gl.convert_layout(beta, _ROW_A)[:, None]
                         acc = warpgroup_mma(kr_s.index(z + 1), k_s.index(z + 3), acc, is_async=True)
                         kb += 1
                         if tile + 2 < t1:
@@ -345,7 +338,7 @@ if gluon is not None:
                             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                             mbarrier.wait(free.index(1), (kb & 1) ^ 1)
                             _pp_copy_tile(k_s, kr_s, 1, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK, TOKEN_STRIDE,
-                                          BLOCK_N, HALF_L, ROPE_L)
+                                          BLOCK_N, _HALF_L, _ROPE_L)
                             async_copy.commit_group()
                             acc = warpgroup_mma_init(acc)
                     else:
@@ -353,7 +346,7 @@ if gluon is not None:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                         mbarrier.wait(pready.index(0), ka & 1)
                         ka += 1
-                        m_i, l_i, acc = _pp_rescale_to(m_i, l_i, acc, mx_s, z, ROW_S, ROW_A)
+                        m_i, l_i, acc = _pp_rescale_to(m_i, l_i, acc, mx_s, z, _ROW_S, _ROW_A)
                         acc = warpgroup_mma(kr_s.index(z), k_s.index(z + 1), acc, is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                         gl.thread_barrier()
@@ -361,7 +354,7 @@ if gluon is not None:
                         acc = warpgroup_mma_init(acc)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _pp_finish(acc, m_i, l_i, lx_s, lready, 1, nreq, HALF, row0, b64, nsplit, p_row, partial_cap,
-                           out_ptr, lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
+                           out_ptr, lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, _ROW_S, _ROW_A, _COL_A)
                 nreq += 1
 
     @gluon.jit
