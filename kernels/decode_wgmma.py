@@ -82,7 +82,8 @@ warp-specialised ``kernels/decode_wgmma_ws64.py`` runs instead (its producer par
 dequantises the next tile while the dots run: 1.06-1.30x this kernel's FP8 at h=128), and
 16-bit launches of two or more row blocks and 16+ (request, row block) pairs while
 ``WGMMA_PP`` is on, which the ping-pong ``kernels/decode_wgmma_pp.py`` runs (its two
-warpgroups on alternate tiles: 0.94-1.42x this kernel at h=128, ``pp_taken``); on such a device ``config.default_config`` gives it h=128 (bf16,
+warpgroups on alternate tiles: 0.94-1.42x this kernel at h=128, ``pp_taken``); on such a
+device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles) and h=16 bf16 at s_q=2 (32 query rows in a 64-row block, the rest
 masked padding; the part sizes are in that function). h=16 FP8 takes a few-row kernel
 instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the warp-specialised one of
@@ -373,7 +374,8 @@ if gluon is not None:
                 copy_q_rows(q_ptr + b64 * (ROWS * D), pid_m * BLOCK_M, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
                             ROPE_L)
                 _issue_tile(codes_s.index(0), k_rope_s.index(0), sc_s.index(0), kv_ptr, bt_row, t0, seq_len,
-                            tile_page(bt_row, t0, t1, PAGE, BLOCK_N), PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, FP8, LAT_L, ROPE_L, SC_L)
+                            tile_page(bt_row, t0, t1, PAGE, BLOCK_N), PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, FP8,
+                            LAT_L, ROPE_L, SC_L)
                 async_copy.commit_group()
 
                 m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)

@@ -202,13 +202,13 @@ if gluon is not None:
 
     @gluon.jit
     def _pp_even(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
-                 po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s, pready, free,
-                 qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
+                 po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s,
+                 pready, free, qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         D: gl.constexpr = RANK + kr_s.shape[2]
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(part_ptr, ctxw_ptr, BLOCK_M,
-                                                                                         BLOCK_N)
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(
+            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N)
         ka = 0  # A's tiles so far (the free[0] phases), and B's (the pready[1] phases)
         kb = 0
         nreq = 0
@@ -267,8 +267,8 @@ if gluon is not None:
                         if tile + 2 < t1:
                             # the next own tile, once B is done with this one's buffer
                             mbarrier.wait(free.index(0), (ka & 1) ^ 1)
-                            _pp_copy_tile(k_s, kr_s, 0, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK, TOKEN_STRIDE,
-                                          BLOCK_N, _HALF_L, _ROPE_L)
+                            _pp_copy_tile(k_s, kr_s, 0, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK,
+                                          TOKEN_STRIDE, BLOCK_N, _HALF_L, _ROPE_L)
                             async_copy.commit_group()
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 if (t1 - t0) % 2 == 0:
@@ -280,13 +280,13 @@ if gluon is not None:
 
     @gluon.jit
     def _pp_odd(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
-                po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s, pready, free,
-                qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
+                po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s,
+                pready, free, qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         HALF: gl.constexpr = RANK // 2
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(part_ptr, ctxw_ptr, BLOCK_M,
-                                                                                         BLOCK_N)
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(
+            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N)
         ka = 0  # A's tiles so far (the pready[0] phases), and B's (the free[1] phases)
         kb = 0
         nreq = 0
@@ -337,8 +337,8 @@ if gluon is not None:
                             # the next own tile, once both halves of this one's P V are done
                             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                             mbarrier.wait(free.index(1), (kb & 1) ^ 1)
-                            _pp_copy_tile(k_s, kr_s, 1, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK, TOKEN_STRIDE,
-                                          BLOCK_N, _HALF_L, _ROPE_L)
+                            _pp_copy_tile(k_s, kr_s, 1, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK,
+                                          TOKEN_STRIDE, BLOCK_N, _HALF_L, _ROPE_L)
                             async_copy.commit_group()
                             acc = warpgroup_mma_init(acc)
                     else:

@@ -197,11 +197,12 @@ if gluon is not None:
         """A request's result from a 64-row kernel's accumulator ``acc`` (fp32 ``[BLOCK_M, C]`` in a
         layout whose row / column slices are ``ROW_A`` / ``COL_A``; rows ``row0 + i`` = ``token * H
         + head``; its C columns the first C of the rows of ``RANK`` that ``out_ptr`` / ``po_ptr``
-        point at: ``C = RANK``, or a column block with the pointers moved to it) and its softmax state ``m_i`` / ``l_i`` (log2 max and sum,
-        ``[BLOCK_M]`` in ``ROW_S``): an unsplit request (``nsplit == 1``) stores ``out`` (its
-        dtype, ``[B, s_q, h, RANK]``) and ``lse`` (natural log, ``[B, h, s_q]``); a split one its
-        fp32 partial row ``p_row`` (``[cap, ROWS, RANK]``, log2 lse ``[cap, ROWS]``) while
-        ``p_row < partial_cap``. A row without keys gets ``out`` 0 and ``lse`` -inf."""
+        point at: ``C = RANK``, or a column block with the pointers moved to it) and its softmax
+        state ``m_i`` / ``l_i`` (log2 max and sum, ``[BLOCK_M]`` in ``ROW_S``): an unsplit request
+        (``nsplit == 1``) stores ``out`` (its dtype, ``[B, s_q, h, RANK]``) and ``lse`` (natural
+        log, ``[B, h, s_q]``); a split one its fp32 partial row ``p_row`` (``[cap, ROWS, RANK]``,
+        log2 lse ``[cap, ROWS]``) while ``p_row < partial_cap``. A row without keys gets ``out`` 0
+        and ``lse`` -inf."""
         LN2: gl.constexpr = 0.6931471805599453
         has_keys = l_i > 0.0
         l_safe = gl.where(has_keys, l_i, 1.0)
