@@ -59,7 +59,9 @@ block holds every query row (h=16 x 2, h=64) the decode is bound by its copies a
 this kernel ran 0.81-0.97x the 64-row one (same json), and at B=1 0.88-0.97x
 (``-kernel-17.json``): ``decode_wgmma.pp_taken`` sends those launches to that kernel. Tried
 and not kept (same json): A copying its next tile before taking B's P, and B freeing buffer 0
-before its hand-over, 0.95-1.01x.
+before its hand-over, 0.95-1.01x; FP8 through this kernel, each warpgroup dequantising its own
+tile (codes staged in the upper latent half's bytes, then converted in place), correct but
+0.75-0.89x the warp-specialised 64-row kernel, which keeps FP8.
 
 Taken by ``decode_split.launch_decode_split`` for the 16-bit 64-row launches that
 ``decode_wgmma.wgmma_plan`` admits and ``decode_wgmma.pp_taken`` gives it (two or more row
