@@ -14,7 +14,10 @@ region, so its median is recorded beside it as ``time_us_do_bench``), effective 
 + q + out) and TFLOP/s (``2 * s_q * h * L * (576 + 512)`` per request), their ratios to the
 measured ceilings, and time over the roofline bound ``max(bytes / copy_bw, flops /
 matmul_rate)``. Beside them, ``read_ref_us``: torch's ``sum`` over the same KV bytes, timed the
-same way (``x_read_ref`` = time / that): how far the case is from a plain read of its data.
+same way (``x_read_ref`` = time / that): how far the case is from a plain read of its data;
+and ``read_floor_us``, a Triton read kernel's time for those bytes (``replay_timing``'s
+floor: faster than torch's sum up to ~600 MB), with ``x_read_floor`` and
+``read_floor_bw_ratio``.
 
 ``--sweep`` first times a few launch configs on representative cases and uses the best per
 (row class, kv dtype) for the grid. Writes JSON (``--out``) and prints a table.
@@ -349,6 +352,7 @@ def main(argv=None) -> int:
                         try:
                             m = measure_case(spec, pool, h, s_q, B, L, kv, cfg, gen)
                             ref_us = read_ref.read_ref_ms(m["kv_bytes"]) * 1e3
+                            floor_us = read_ref.read_floor_ms(m["kv_bytes"]) * 1e3
                         except Exception as e:
                             print(f"{kv} h={h} s_q={s_q} B={B} L={L}: {type(e).__name__}: {e}"[:300], flush=True)
                             continue
@@ -356,12 +360,15 @@ def main(argv=None) -> int:
                                         m["io_bytes"], m["flops"], copy_tbps, mm_tflops)
                         r.update(time_us_do_bench=m["time_us_do_bench"], read_ref_us=ref_us,
                                  x_read_ref=r["time_us"] / ref_us,
-                                 read_ref_bw_ratio=m["kv_bytes"] / (ref_us * 1e-6) / 1e12 / copy_tbps)
+                                 read_ref_bw_ratio=m["kv_bytes"] / (ref_us * 1e-6) / 1e12 / copy_tbps,
+                                 read_floor_us=floor_us, x_read_floor=r["time_us"] / floor_us,
+                                 read_floor_bw_ratio=m["kv_bytes"] / (floor_us * 1e-6) / 1e12 / copy_tbps)
                         results.append(r)
                         print(f"{kv:4s} h={h:3d} s_q={s_q} B={B:3d} L={L:5d} {r['time_us']:9.1f} us "
                               f"{r['TBps']:5.2f} TB/s ({r['bw_ratio']:.0%}) {r['TFLOPs']:6.1f} TF/s "
                               f"({r['flop_ratio']:.0%}) x{r['x_roofline']:.2f} roof, x{r['x_read_ref']:.2f} a plain "
-                              f"read ({r['read_ref_us']:.1f} us); do_bench {r['time_us_do_bench']:.1f} us", flush=True)
+                              f"read ({r['read_ref_us']:.1f} us), x{r['x_read_floor']:.2f} the read floor "
+                              f"({floor_us:.1f} us); do_bench {r['time_us_do_bench']:.1f} us", flush=True)
 
     def pick(f):
         return [r for r in results if f(r)]
@@ -384,6 +391,10 @@ def main(argv=None) -> int:
         # how close a plain torch read of the same bytes comes to the copy rate (the 75% target's context)
         "mem_bound_h16_BL>=128k_min_read_ref_bw_ratio": min((r["read_ref_bw_ratio"] for r in mem), default=None),
         "mem_bound_h16_BL>=128k_worst_x_read_ref": max((r["x_read_ref"] for r in mem), default=None),
+        # the same against the Triton read floor (replay_timing module doc)
+        "mem_bound_h16_BL>=128k_min_read_floor_bw_ratio": min((r["read_floor_bw_ratio"] for r in mem), default=None),
+        "mem_bound_h16_BL>=128k_worst_x_read_floor": max((r["x_read_floor"] for r in mem), default=None),
+        "B>=32_worst_read_floor_x_roofline": max((r["read_floor_us"] / r["roofline_us"] for r in big), default=None),
         "cases": len(results),
     }
     print("# summary " + json.dumps(summary), flush=True)

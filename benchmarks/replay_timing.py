@@ -14,11 +14,18 @@ flush's times (within 1.3%); no flush at all was slower than either (not investi
 none of the case's data, so the timed region pays for exactly the traffic the kernels make.
 ``read_ref_ms`` times the cheapest way torch has to read the same bytes (a sum over a bf16
 view, captured in a graph and replayed the same way): a practical ceiling next to the copy
-rate, which a 151 MB read reaches only 73% of (same json).
+rate, which a 151 MB read reaches only 73% of (same json). ``read_floor_ms`` times a plain
+Triton read kernel instead (``_read_kernel``: every SM's eight programs stream 16-byte words,
+which is what torch's reduction does not do): the fastest read of those bytes we know how to
+write, and so the floor a decode of them can be held to. Tuned over 72 launch shapes on an
+H100 (``benchmarks/results/h100-2026-11-26-read-floor.json``): after the same flush it read
+151 MB in 53 us (93% of the copy rate; torch's sum 69 us) and 38 MB in 17 us (torch 22).
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 #: bytes the flush reads: five times an H100's / H200's 50 / 60 MB L2
 FLUSH_BYTES = 256 * 1024 * 1024
@@ -56,6 +63,25 @@ def median_replay_ms(fn, flush, *, warmup: int = 10, reps: int = 60) -> float:
     return times[len(times) // 2]
 
 
+#: the read floor's launch: warps a program, 32-bit words a program per load, programs an SM.
+#: Within 2% of the best of 72 shapes at every size of the tuning run (module doc)
+FLOOR_WARPS, FLOOR_WORDS, FLOOR_PROGRAMS_PER_SM = 8, 1024, 8
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n_words, WORDS: tl.constexpr):
+    # A grid-stride read of int32 words (contiguous per program, so 16-byte loads), folded with
+    # xor into one word a program so the loads cannot be dropped; eight 8-warp programs an SM
+    # keep enough bytes in flight to run at the copy rate.
+    pid = tl.program_id(0)
+    offs = tl.arange(0, WORDS)
+    acc = tl.zeros([WORDS], dtype=tl.int32)
+    for base in range(pid * WORDS, n_words, tl.num_programs(0) * WORDS):
+        o = base + offs
+        acc ^= tl.load(x_ptr + o, mask=o < n_words, other=0)
+    tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
+
+
 class ReadReference:
     """``read_ref_ms(nbytes)``: the replay time of a graph that sums the first ``nbytes`` of one
     preallocated bf16 buffer into fp32 -- the same bytes a case's kernels read, read by torch's
@@ -78,6 +104,29 @@ class ReadReference:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             torch.sum(view, dim=0, dtype=torch.float32, out=self.out)
+        try:
+            return median_replay_ms(graph.replay, self.flush.clean)
+        finally:
+            del graph
+
+    def read_floor_ms(self, nbytes: int) -> float:
+        """Median ms of ``_read_kernel`` reading the first ``nbytes`` (rounded down to whole
+        32-bit words; at most ``max_bytes``) in a replayed CUDA graph: the module doc's floor."""
+        n = nbytes // 4
+        if n > self.data.numel() // 2:
+            raise ValueError(f"read floor of {nbytes} bytes exceeds its buffer ({2 * self.data.numel()} bytes)")
+        words = self.data[:2 * n].view(torch.int32)
+        programs = FLOOR_PROGRAMS_PER_SM * torch.cuda.get_device_properties(words.device).multi_processor_count
+        sink = torch.empty(programs, dtype=torch.int32, device=words.device)
+
+        def launch():
+            _read_kernel[(programs,)](words, sink, n, WORDS=FLOOR_WORDS, num_warps=FLOOR_WARPS)
+
+        launch()  # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
         try:
             return median_replay_ms(graph.replay, self.flush.clean)
         finally:

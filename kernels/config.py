@@ -689,6 +689,14 @@ def _keys_device() -> bool:
     return bool(decode_wgmma.WGMMA_KEYS)
 
 
+def _ws64_device() -> bool:
+    """Whether FP8 64-row blocks take the warp-specialised Gluon kernel
+    (``kernels/decode_wgmma_ws64.py``) on a device ``_wgmma_device`` accepts: its switch
+    ``decode_wgmma.WGMMA_WS64`` (``decode_wgmma.ws64_taken``)."""
+    from . import decode_wgmma
+    return bool(decode_wgmma.WGMMA_WS64)
+
+
 def _ws_device() -> bool:
     """Whether FP8 blocks of up to 16 query rows take the warp-specialised Gluon kernel
     (``kernels/decode_wgmma_ws.py``) where the keys-on-M one is taken: its switch
@@ -817,11 +825,20 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # there (h100-2026-11-26-wgmma-h16.json / -wgmma-h16-mt.json); FP8 s_q=2, whose Triton
         # default is the 64-row block above, 1.05-1.23x in parts of two, which four would slow
         # at B 1-8, L=1k (0.87-0.90x, h100-2026-11-26-kernel-10-*.json). bf16 at s_q=1
-        # (16 rows) keeps its kernel: 0.76-1.07x
+        # (16 rows) keeps its kernel: the 64-row one, pages a tile ahead, ran 0.84-1.08x over
+        # the full grid (1.06-1.08x at 128k tokens, 0.84x / 0.87x at B=1, L 1k / 4k;
+        # h100-2026-11-26-kernel-19-bf16-h16-sq1-64-row.json)
         block_m, block_n, warps, stages = 64, 64, 8, 2
         min_tiles = 2 if fp8 and rows > 16 else 4
         grouped = False
-        if fp8 and _keys_device():
+        if fp8 and rows > 16 and _ws64_device():
+            # FP8 at 17-32 rows: the warp-specialised 64-row kernel (kernels/decode_wgmma_ws64.py),
+            # parts of two tiles, against the keys-on-M kernel's 32-row blocks below: 0.99-1.09x
+            # over B 1-128, L 1k-16k, geo-mean 1.03 (B=8, L=16k: 77.2 -> 72.6 us; old and new
+            # code in one command, h100-2026-11-26-kernel-19*.json); parts of four tiles ran
+            # B=8, L=1k 0.85x (h100-2026-11-26-h16-routes.json)
+            stages = 1
+        elif fp8 and _keys_device():
             # FP8: the keys-on-M Gluon kernel (kernels/decode_wgmma_keys.py; 128-key tiles, the
             # query rows as the dots' N) against the 64-row one above, B 1-128, L 1k-16k, same
             # H100 and command: s_q=1 1.06-1.55x in parts of two tiles, s_q=2 1.03-1.34x in parts

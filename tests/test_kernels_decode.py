@@ -398,13 +398,14 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     assert default_config(h16, 2, cuda).block_m == 32  # bf16 keeps its 32-row block
     # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, bf16 s_q=2 included (parts of
     # 4 tiles at bf16's 32 rows, else 2); bf16 at 16 rows keeps the Triton block; FP8 h=16 the
-    # warp-specialised Gluon kernel's 16-row blocks of 64 keys at s_q=1 (4 warps, parts of 4
-    # tiles), the keys-on-M one's 32-row blocks of 128 keys at s_q=2 (parts of 1) and its 16-row
-    # ones with the first off (parts of 2) -- or, with the keys-on-M kernel off, the 64-row
-    # blocks (parts of 4 and 2)
+    # warp-specialised Gluon
+    # kernel's 16-row blocks of 64 keys at s_q=1 (4 warps, parts of 4 tiles) and the 64-row
+    # blocks (parts of 2) at s_q=2; the keys-on-M one's 16-row blocks of 128 keys with the
+    # first off (parts of 2), its 32-row ones at s_q=2 with the warp-specialised 64-row kernel
+    # off (parts of 1) -- or, with the keys-on-M kernel off, the 64-row blocks (parts of 4 and 2)
     monkeypatch.setattr(dw, "WGMMA_DECODE", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    for heads, s_q, fp8, block, min_tiles in ((16, 1, True, (16, 64, 4), 4), (16, 2, True, (32, 128, 8), 1),
+    for heads, s_q, fp8, block, min_tiles in ((16, 1, True, (16, 64, 4), 4), (16, 2, True, (64, 64, 8), 2),
                                               (16, 2, False, (64, 64, 8), 4), (128, 1, True, (64, 64, 8), 2),
                                               (128, 2, True, (64, 64, 8), 2), (128, 2, False, (64, 64, 8), 2)):
         cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8)
@@ -414,6 +415,10 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     cfg = default_config(h16, 1, cuda, fp8=True)
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (16, 128, 8, 2), cfg
     monkeypatch.setattr(dw, "WGMMA_WS", True)
+    monkeypatch.setattr(dw, "WGMMA_WS64", False)
+    cfg = default_config(h16, 2, cuda, fp8=True)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (32, 128, 8, 1), cfg
+    monkeypatch.setattr(dw, "WGMMA_WS64", True)
     monkeypatch.setattr(dw, "WGMMA_KEYS", False)
     for s_q, min_tiles in ((1, 4), (2, 2)):
         cfg = default_config(h16, s_q, cuda, fp8=True)

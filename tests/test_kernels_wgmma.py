@@ -5,6 +5,8 @@ their results against mla_ref on the GPU (Gluon has no interpreter, so the CPU s
 only the choice)."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -161,26 +163,28 @@ def test_a_build_failure_sends_launches_to_the_triton_kernel(monkeypatch):
 
 
 def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
-    """The shipped CUDA configs of 17+ query rows (and FP8's at 16) are the shapes the Gluon
-    kernels are written for, on a Hopper device (whatever GPU, if any, runs the test): FP8
-    at up to 16 rows the warp-specialised kernel's 16-row blocks of 64 keys with 4 warps, at
-    17-32 rows (or at 16 with ``WGMMA_WS`` off) the keys-on-M kernel's 16/32-row blocks of
-    128 keys, else 64 x 64 -- and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the
-    64-row blocks."""
+    """The shipped CUDA configs are the shapes the Gluon kernels are written for, on a Hopper
+    device (whatever GPU, if any, runs the test): FP8 at up to 16 rows the warp-specialised
+    kernel's 16-row blocks of 64 keys with 4 warps (with ``WGMMA_WS`` off, the keys-on-M
+    kernel's 16-row blocks of 128 keys); FP8 at 17-32 rows the 64-row blocks of the
+    warp-specialised ``decode_wgmma_ws64`` (with ``WGMMA_WS64`` off, the keys-on-M kernel's
+    32-row blocks); else 64 x 64 (16-bit ones from 17 rows: 16 keep the Triton kernel's
+    blocks) -- and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the 64-row blocks."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cases = ((128, 1, torch.bfloat16), (128, 2, torch.bfloat16), (20, 4, torch.bfloat16), (16, 2, torch.bfloat16),
-             (16, 1, torch.uint8), (16, 2, torch.uint8), (20, 1, torch.uint8), (128, 2, torch.uint8),
-             (8, 2, torch.uint8))
-    for keys, ws in ((True, True), (True, False), (False, True), (False, False)):
+             (16, 1, torch.uint8), (16, 2, torch.uint8), (20, 1, torch.uint8),
+             (128, 2, torch.uint8), (8, 2, torch.uint8))
+    for keys, ws, ws64 in itertools.product((True, False), repeat=3):
         monkeypatch.setattr(dw, "WGMMA_KEYS", keys)
         monkeypatch.setattr(dw, "WGMMA_WS", ws)
+        monkeypatch.setattr(dw, "WGMMA_WS64", ws64)
         for heads, s_q, kv_dtype in cases:
             fp8 = kv_dtype == torch.uint8
             rows = heads * s_q
             cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=fp8)
-            few = keys and fp8 and rows <= 32
+            few = keys and fp8 and (rows <= 16 or (rows <= 32 and not ws64))
             want = ((16, 64, 4) if ws and rows <= 16 else ((16 if rows <= 16 else 32), 128, 8)) if few else (64, 64, 8)
-            assert (cfg.block_m, cfg.block_n, cfg.num_warps) == want, (keys, ws, heads, s_q, cfg)
+            assert (cfg.block_m, cfg.block_n, cfg.num_warps) == want, (keys, ws, ws64, heads, s_q, cfg)
             _, kv = _tensors(kv_dtype=kv_dtype)
             assert dw.wgmma_plan(_q(heads, s_q), kv, rank=512, rope_dim=64, block_m=cfg.block_m,
                                  block_n=cfg.block_n, num_warps=cfg.num_warps, capability=(9, 0)) is None, cfg
@@ -226,16 +230,17 @@ def _spy_wgmma(monkeypatch, name="launch_decode_wgmma"):
 @pytest.mark.parametrize("heads,s_q,page,kv", [(128, 2, 64, "bf16"), (128, 1, 16, "bf16"), (128, 2, 32, "fp16"),
                                                (128, 1, 128, "bf16"), (20, 4, 64, "bf16"), (64, 1, 64, "fp16"),
                                                (128, 2, 64, "fp8"), (128, 1, 16, "fp8"), (16, 2, 64, "fp8"),
-                                               (20, 4, 128, "fp8"), (16, 1, 64, "fp8"), (16, 2, 32, "bf16")])
+                                               (20, 4, 128, "fp8"), (16, 1, 64, "fp8"), (16, 2, 32, "bf16"),
+                                               (16, 1, 64, "bf16")])
 def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatch):
     """The Gluon kernels and the Triton one at DeepSeek size (bf16, fp16 and FP8 caches; the
     CUDA default configs): a long request split over many parts, lengths at and around tile
     and page boundaries, empty requests, NaN in every stale slot and padding query row; h=20
     x 4 tokens leaves padding rows in the last block. The switch decides which kernel runs
     (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the warp-specialised few-row
-    kernel at s_q=1 and the keys-on-M one at s_q=2, the other FP8 cases the warp-specialised
-    64-row one, 16-bit ones of more than 64 query rows the ping-pong 64-row one, the rest the
-    plain 64-row one)."""
+    kernel at s_q=1, the other FP8 cases the warp-specialised 64-row one, 16-bit ones of more
+    than 64 query rows the ping-pong 64-row one, 16-bit h=16 at s_q=1 the Triton one, the rest
+    the plain 64-row one)."""
     monkeypatch.setattr(dw, "WGMMA_DECODE", on)
     calls = _spy_wgmma(monkeypatch)
     keys_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
@@ -244,10 +249,12 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     pp_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_pp")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
-    few = kv == "fp8" and heads * s_q <= 32
-    # off: the Triton kernel's own blocks for h=16, 64 rows elsewhere; on: 16/32 rows for FP8 h=16
-    triton_blocks = {(16, 1, "fp8"): 16, (16, 2, "bf16"): 32}
-    gluon_block = (16 if heads * s_q <= 16 else 32) if few else 64
+    few = kv == "fp8" and heads * s_q <= 16
+    # off: the Triton kernel's own blocks for h=16, 64 rows elsewhere; on: 16 rows for FP8 at
+    # h=16 x 1, else 64
+    triton_blocks = {(16, 1, "fp8"): 16, (16, 2, "bf16"): 32, (16, 1, "bf16"): 16}
+    triton_only = kv != "fp8" and heads * s_q <= 16
+    gluon_block = 16 if few or triton_only else 64
     assert cfg.block_m == (triton_blocks.get((heads, s_q, kv), 64) if not on else gluon_block)
     seq = [9000, 1, 0, 63, 64, 65, 2000, 128, 129]
     ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
@@ -258,10 +265,11 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
     if few:
-        want = (0, 0, 1, 0, 0) if heads * s_q <= 16 else (0, 1, 0, 0, 0)
+        want = (0, 0, 1, 0, 0)
     else:
         # (9 requests: every 16-bit case of two or more row blocks has 16+ pairs)
-        want = (0, 0, 0, 1, 0) if kv == "fp8" else ((0, 0, 0, 0, 1) if heads * s_q > 64 else (1, 0, 0, 0, 0))
+        want = (0, 0, 0, 1, 0) if kv == "fp8" else ((0, 0, 0, 0, 1) if heads * s_q > 64 else
+                                                    (0, 0, 0, 0, 0) if triton_only else (1, 0, 0, 0, 0))
     got = (len(calls), len(keys_calls), len(ws_calls), len(ws64_calls), len(pp_calls))
     assert got == (want if on and hopper else (0, 0, 0, 0, 0))
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
@@ -304,8 +312,10 @@ def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts,
     logits, and the expected result, are those of the unscaled q (powers of two: exact).
     ``parts``: the default plan (132 parts: at most a tile or two each here), or 3 parts of
     many tiles and several requests each (the online softmax's rescaling across tiles). With
-    the warp-specialised kernel off, so that up to 16 rows take this one too."""
+    both warp-specialised kernels off, so that up to 32 rows take this one (the CUDA defaults
+    otherwise give it none)."""
     monkeypatch.setattr(dw, "WGMMA_WS", False)
+    monkeypatch.setattr(dw, "WGMMA_WS64", False)
     calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True)
@@ -420,16 +430,18 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
     """A Gluon kernel failing to build (here: a resource error raised by its launch) gives a
     warning and the Triton kernel's result, for this launch and the next (the ping-pong
     64-row kernel at h=128 bf16, and the plain one with the ping-pong one off; the keys-on-M
-    one at h=16 FP8 s_q=2, the warp-specialised ones at h=16 FP8
-    s_q=1 and h=128 FP8: the CUDA defaults that reach each)."""
+    one at h=16 FP8 s_q=2 with the warp-specialised 64-row one off, the warp-specialised ones
+    at h=16 FP8 s_q=1 and h=128 FP8: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
     import kernels.decode_wgmma_keys as dk
     import kernels.decode_wgmma_ws as dws
     import kernels.decode_wgmma_ws64 as dws64
     import kernels.decode_wgmma_pp as dpp
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
-    # the 64-row kernel runs 16-bit caches with the ping-pong one switched off
+    # the 64-row kernel runs 16-bit caches with the ping-pong one switched off; the keys-on-M
+    # one takes h=16 FP8 s_q=2 with the warp-specialised 64-row one off
     monkeypatch.setattr(dw, "WGMMA_PP", kernel == "_decode_pp_kernel")
+    monkeypatch.setattr(dw, "WGMMA_WS64", kernel != "_decode_keys_kernel")
 
     class Unbuildable:
         def __getitem__(self, grid):
