@@ -36,6 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
 __all__ = ["launch_combine", "COMBINE_CHUNK"]
@@ -47,7 +48,10 @@ COMBINE_CHUNK = 4
 
 @triton.jit
 def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, partial_cap, SQ, H,
-                    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+                    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    if PDL:  # before any read of the plan or the partials (kernels/pdl.py)
+        grid_wait()
     b = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     # one column block (the interpreter's default): no column offset, every program stores
@@ -126,5 +130,7 @@ def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, 
     if B == 0:
         return
     grid = (B, triton.cdiv(s_q * h, block_m), col_blocks)
+    pdl = pdl_on(out)
     _combine_kernel[grid](partial_o, partial_lse, num_splits, split_offsets, out, lse, partial_o.shape[0], s_q, h,
-                          RANK=rank, BLOCK_M=block_m, BLOCK_R=rank // col_blocks, CHUNK=chunk, num_warps=4)
+                          RANK=rank, BLOCK_M=block_m, BLOCK_R=rank // col_blocks, CHUNK=chunk, PDL=pdl, num_warps=4,
+                          **launch_options(pdl))

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
 __all__ = ["launch_decode_sparse"]
@@ -43,7 +44,10 @@ def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr
                           partial_cap, qk_scale, H, N_SLOTS,
                           RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
                           TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    if PDL:  # before any read of the plan (kernels/pdl.py)
+        grid_wait()
     pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)
     D: tl.constexpr = RANK + ROPE
@@ -160,9 +164,11 @@ def launch_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, nu
     fp8 = kv_cache.dtype == torch.uint8
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     grid = (num_parts, triton.cdiv(h, block_m))
+    pdl = pdl_on(q)
     _decode_sparse_kernel[grid](
         q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets,
         out, lse_rows, partial_o, partial_lse,
         partial_o.shape[0], float(softmax_scale) * _LOG2E, h, n_slots,
         RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1], FP8=fp8,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(pdl))

@@ -288,6 +288,7 @@ from .decode_wgmma_pp import launch_decode_wgmma_pp
 from .decode_wgmma_keys import launch_decode_wgmma_keys
 from .decode_wgmma_ws import launch_decode_wgmma_ws
 from .decode_wgmma_ws64 import launch_decode_wgmma_ws64
+from .pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
 try:  # Triton's compile / resource errors (a Gluon kernel that fails to build, below)
@@ -505,7 +506,10 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                          DOT_PREC: tl.constexpr, FP8_PREFETCH: tl.constexpr, GROUPED: tl.constexpr,
                          TWIN: tl.constexpr, K_EVICT: tl.constexpr, USE_TMA: tl.constexpr,
-                         F16_DOTS: tl.constexpr, SKIP_EMPTY: tl.constexpr, P_MEM: tl.constexpr):
+                         F16_DOTS: tl.constexpr, SKIP_EMPTY: tl.constexpr, P_MEM: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    if PDL:  # before any read of the plan (kernels/pdl.py)
+        grid_wait()
     pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)
     ROWS = SQ * H
@@ -973,6 +977,7 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     f16_dots = grouped and q.dtype == torch.bfloat16 and bool(FP8_FP16_DOTS)
     twin = grouped and not prefetch and not use_tma and num_stages >= 2 and block_m <= 32 and bool(FP8_TWIN_LOADS)
     page = kv_cache.shape[1]
+    pdl = pdl_on(q)
     grid = (num_parts, m_blocks)
     p_mem = fp8_p_via_memory(fp8, grouped, block_m)
     if p_mem:
@@ -994,4 +999,4 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         DOT_PREC="ieee" if dot_f32 else None,
         FP8_PREFETCH=prefetch, GROUPED=grouped, TWIN=twin, K_EVICT="evict_last" if twin else "",
         USE_TMA=use_tma, F16_DOTS=f16_dots, SKIP_EMPTY=bool(SKIP_EMPTY_ON_INTERPRETER) and interpreting(),
-        P_MEM=p_mem, num_warps=num_warps, num_stages=num_stages)
+        P_MEM=p_mem, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl))

@@ -114,8 +114,9 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
-from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, softmax_rows_step, store_rows_result,
-                          tile_page)
+from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, softmax_rows_step,
+                          store_rows_result, tile_page, wait_prior_grid)
+from .pdl import pdl_on
 
 __all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_WS64", "WGMMA_PP", "wgmma_plan", "ws64_taken", "pp_taken",
            "launch_decode_wgmma", "mark_unavailable"]
@@ -298,9 +299,10 @@ if gluon is not None:
                              out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                              PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                              TOKEN_STRIDE: gl.constexpr, FP8: gl.constexpr, BLOCK_M: gl.constexpr,
-                             BLOCK_N: gl.constexpr):
+                             BLOCK_N: gl.constexpr, PDL: gl.constexpr):
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(gl.num_warps() == 8)
+        wait_prior_grid(PDL)  # before any read of the plan (kernels/pdl.py)
         DT: gl.constexpr = q_ptr.dtype.element_ty
         D: gl.constexpr = RANK + ROPE
         NG: gl.constexpr = RANK // GROUP
@@ -448,9 +450,10 @@ def launch_decode_wgmma(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = -(-(s_q * h) // block_m)
+    pdl = pdl_on(q)
     _decode_wgmma_kernel[(num_parts, m_blocks)](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
         PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group if fp8_group > 0 else rank,
         TOKEN_STRIDE=kv_cache.shape[-1], FP8=kv_cache.dtype == torch.uint8, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=8)
+        PDL=pdl, num_warps=8, launch_pdl=pdl)

@@ -80,7 +80,9 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import part_bounds, q_rows_to_fp16, request_span, softmax_keys_step, store_keys_result
+from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, softmax_keys_step,
+                          store_keys_result, wait_prior_grid)
+from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_keys", "KEYS_BLOCK_N"]
 
@@ -209,9 +211,10 @@ if gluon is not None:
                             out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                             PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                             TOKEN_STRIDE: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-                            GROUPED: gl.constexpr):
+                            GROUPED: gl.constexpr, PDL: gl.constexpr):
         gl.static_assert(BLOCK_N == 128)
         gl.static_assert(gl.num_warps() == 8)
+        wait_prior_grid(PDL)  # before any read of the plan (kernels/pdl.py)
         gl.static_assert(RANK // GROUP == 4)
         QT: gl.constexpr = q_ptr.dtype.element_ty
         # the K tile's (and q latent's) dtype: fp16 codes (grouped) or dequantised bf16
@@ -434,9 +437,10 @@ def launch_decode_wgmma_keys(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
     ``s_q * h <= block_m`` (16 or 32); kv_cache uint8 ``[num_blocks, page, rank + 4 * groups +
     2 * rope]``; block_n 128; the rest as the Triton launcher."""
     num_parts = part_info.shape[0] - 1
+    pdl = pdl_on(q)
     _decode_keys_kernel[(num_parts, 1)](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2,
         q.shape[1], q.shape[2], PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group,
         TOKEN_STRIDE=kv_cache.shape[-1], BLOCK_R=block_m, BLOCK_N=block_n,
-        GROUPED=block_m <= 16, num_warps=8)
+        GROUPED=block_m <= 16, PDL=pdl, num_warps=8, launch_pdl=pdl)

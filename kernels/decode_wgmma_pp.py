@@ -79,7 +79,9 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import key_rows, part_bounds, request_span, softmax_rows_step, store_rows_result, tile_page
+from .gluon_parts import (key_rows, part_bounds, request_span, softmax_rows_step,
+                          store_rows_result, tile_page, wait_prior_grid)
+from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_pp", "PP_ODD_REGS"]
 
@@ -284,7 +286,8 @@ if gluon is not None:
     def _pp_odd(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
                 po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s,
                 pready, free, qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PDL: gl.constexpr):
+        wait_prior_grid(PDL)  # this partition's warps too (kernels/pdl.py)
         HALF: gl.constexpr = RANK // 2
         ROWS = SQ * H
         b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(
@@ -363,12 +366,13 @@ if gluon is not None:
     def _decode_pp_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
                           lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,
                           RANK: gl.constexpr, ROPE: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, ODD_REGS: gl.constexpr):
+                          BLOCK_N: gl.constexpr, ODD_REGS: gl.constexpr, PDL: gl.constexpr):
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(BLOCK_N == 64)
         gl.static_assert(ROPE == 64)
         gl.static_assert(RANK == 512)
         gl.static_assert(gl.num_warps() == 4)
+        wait_prior_grid(PDL)  # before any read of the plan (kernels/pdl.py)
         DT: gl.constexpr = q_ptr.dtype.element_ty
         HALF: gl.constexpr = RANK // 2
         HALF_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], DT)
@@ -399,7 +403,8 @@ if gluon is not None:
                         kr_s, mx_s, lx_s, pready, free, qready, lready, PAGE, RANK, TOKEN_STRIDE, BLOCK_M, BLOCK_N)),
             (_pp_odd, (q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
                        lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s,
-                       kr_s, mx_s, lx_s, pready, free, qready, lready, PAGE, RANK, TOKEN_STRIDE, BLOCK_M, BLOCK_N)),
+                       kr_s, mx_s, lx_s, pready, free, qready, lready, PAGE, RANK, TOKEN_STRIDE, BLOCK_M, BLOCK_N,
+                       PDL)),
         ], [4], [ODD_REGS])
 
 
@@ -413,8 +418,9 @@ def launch_decode_wgmma_pp(q, kv_cache, block_table, cache_seqlens, ctx_lens, ct
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = -(-(s_q * h) // block_m)
+    pdl = pdl_on(q)
     _decode_pp_kernel[(num_parts, m_blocks)](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
         PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, TOKEN_STRIDE=kv_cache.shape[-1], BLOCK_M=block_m,
-        BLOCK_N=block_n, ODD_REGS=PP_ODD_REGS, num_warps=4)
+        BLOCK_N=block_n, ODD_REGS=PP_ODD_REGS, PDL=pdl, num_warps=4, launch_pdl=pdl)

@@ -65,7 +65,9 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import part_bounds, q_rows_to_fp16, request_span, softmax_keys_step, store_keys_result
+from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, softmax_keys_step,
+                          store_keys_result, wait_prior_grid)
+from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
 
@@ -123,7 +125,8 @@ if gluon is not None:
     def _ws_producer(kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k0_s, k1_s, k2_s, k3_s,
                      rope_s, sc0_s, sc1_s, sc2_s, sc3_s, ready, empty, PAGE: gl.constexpr, RANK: gl.constexpr,
                      ROPE: gl.constexpr, GROUP: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NB: gl.constexpr):
+                     NB: gl.constexpr, PDL: gl.constexpr):
+        wait_prior_grid(PDL)  # this partition's warps too (kernels/pdl.py)
         # Software-pipelined by one tile: a trip issues the loads of tile ``it`` (codes and scales
         # into registers, rope too) and only then writes tile ``it - 1`` (loaded a trip earlier)
         # into its buffer, so a tile's loads are in flight while the previous one is converted
@@ -292,8 +295,10 @@ if gluon is not None:
                           out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                           PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                           TOKEN_STRIDE: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
-                          NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                          NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                          PDL: gl.constexpr):
         gl.static_assert(BLOCK_N == 16 * gl.num_warps())
+        wait_prior_grid(PDL)  # before any read of the plan (kernels/pdl.py)
         gl.static_assert(RANK // GROUP == 4)
         QT: gl.constexpr = q_ptr.dtype.element_ty
         KT: gl.constexpr = gl.float16
@@ -331,7 +336,7 @@ if gluon is not None:
                             BLOCK_R, BLOCK_N, NB)),
             (_ws_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k0_s, k1_s, k2_s, k3_s,
                             rope_s, sc0_s, sc1_s, sc2_s, sc3_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE,
-                            BLOCK_N, NB)),
+                            BLOCK_N, NB, PDL)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -343,9 +348,10 @@ def launch_decode_wgmma_ws(q, kv_cache, block_table, cache_seqlens, ctx_lens, ct
     ``s_q * h <= block_m`` (16); kv_cache uint8 ``[num_blocks, page, rank + 4 * groups + 2 *
     rope]``; block_n 64; the rest as the Triton launcher."""
     num_parts = part_info.shape[0] - 1
+    pdl = pdl_on(q)
     _decode_ws_kernel[(num_parts, 1)](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2,
         q.shape[1], q.shape[2], PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group,
         TOKEN_STRIDE=kv_cache.shape[-1], BLOCK_R=block_m, BLOCK_N=block_n, NB=WS_BUFS, PRODUCER_WARPS=WS_PRODUCER_WARPS,
-        PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
+        PRODUCER_REGS=WS_PRODUCER_REGS, PDL=pdl, num_warps=WS_WARPS, maxnreg=WS_MAXNREG, launch_pdl=pdl)

@@ -82,8 +82,9 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, softmax_rows_step, store_rows_result,
-                          tile_page)
+from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, softmax_rows_step,
+                          store_rows_result, tile_page, wait_prior_grid)
+from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS"]
 
@@ -167,7 +168,8 @@ if gluon is not None:
     @gluon.jit
     def _w64_producer(kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s, sc_s,
                       ready, empty, PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
-                      TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr, NB: gl.constexpr):
+                      TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr, NB: gl.constexpr, PDL: gl.constexpr):
+        wait_prior_grid(PDL)  # this partition's warps too (kernels/pdl.py)
         W: gl.constexpr = gl.num_warps()
         NG: gl.constexpr = RANK // GROUP
         DT: gl.constexpr = gl.bfloat16
@@ -292,9 +294,11 @@ if gluon is not None:
                             out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                             PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                             TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                            NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            PDL: gl.constexpr):
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(gl.num_warps() == 8)
+        wait_prior_grid(PDL)  # before any read of the plan (kernels/pdl.py)
         gl.static_assert(RANK // GROUP == 4)
         DT: gl.constexpr = q_ptr.dtype.element_ty
         LAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], DT)
@@ -319,7 +323,7 @@ if gluon is not None:
                              po_ptr, plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s,
                              k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB)),
             (_w64_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s,
-                             sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB)),
+                             sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB, PDL)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -333,9 +337,10 @@ def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = -(-(s_q * h) // block_m)
+    pdl = pdl_on(q)
     _decode_ws64_kernel[(num_parts, m_blocks)](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
         PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
         BLOCK_M=block_m, BLOCK_N=block_n, NB=W64_BUFS, PRODUCER_WARPS=W64_PRODUCER_WARPS,
-        PRODUCER_REGS=W64_PRODUCER_REGS, num_warps=8, maxnreg=W64_MAXNREG)
+        PRODUCER_REGS=W64_PRODUCER_REGS, PDL=pdl, num_warps=8, maxnreg=W64_MAXNREG, launch_pdl=pdl)

@@ -29,10 +29,20 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
-__all__ = ["part_bounds", "request_span", "tile_page", "key_rows", "q_rows_to_fp16", "softmax_keys_step",
-           "store_keys_result", "copy_q_rows", "softmax_rows_step", "store_rows_result"]
+__all__ = ["wait_prior_grid", "part_bounds", "request_span", "tile_page", "key_rows",
+           "q_rows_to_fp16", "softmax_keys_step", "store_keys_result", "copy_q_rows", "softmax_rows_step",
+           "store_rows_result"]
 
 if gluon is not None:
+
+    @gluon.jit
+    def wait_prior_grid(PDL: gl.constexpr):
+        """With ``PDL`` (the launch used programmatic dependent launch, ``kernels/pdl.py``): wait
+        until the previous grid in the stream has completed and its writes are visible. Every
+        thread that reads or writes what an earlier kernel touched executes it first."""
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
 
     @gluon.jit
     def part_bounds(part_ptr, pid_p):

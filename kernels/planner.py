@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from .config import interpreting, next_pow2
+from .pdl import grid_release, pdl_on
 
 __all__ = ["launch_planner", "plan_reference"]
 
@@ -81,7 +82,7 @@ _FUSE_ON_INTERPRETER = True
 def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
                     NUM_PARTS: tl.constexpr, PART_PROGS: tl.constexpr, BLOCK_P: tl.constexpr,
                     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-                    FUSED: tl.constexpr):
+                    FUSED: tl.constexpr, PDL: tl.constexpr = False):
     # No nested jit helpers: under TRITON_INTERPRET=1 every nested call re-patches the
     # interpreter (milliseconds each), paid per program of every test example.
     #
@@ -89,6 +90,9 @@ def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
     # correction step, instead of int64 `//` (a called subroutine per element on the GPU).
     # Exact: every n here is < 2**53 (tiles < 2**31 times parts), so it converts exactly,
     # and the estimate's relative error ~2**-52 times a quotient < 2**31 is off by < 1.
+    if PDL:
+        # let the decode's blocks be scheduled now; they wait for this grid's end (kernels/pdl.py)
+        grid_release()
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     # Every program derives the batch total itself (no inter-program hand-off). The first
@@ -214,7 +218,7 @@ def launch_planner(cache_seqlens: torch.Tensor, part_info: torch.Tensor, num_spl
     _planner_kernel[(part_progs + req_progs - fused,)](
         cache_seqlens, part_info, num_splits, split_offsets, B,
         NUM_PARTS=num_parts, PART_PROGS=part_progs, BLOCK_P=block_p, BLOCK_B=block_b,
-        BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, FUSED=fused, num_warps=num_warps)
+        BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, FUSED=fused, PDL=pdl_on(cache_seqlens), num_warps=num_warps)
 
 
 def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_per_part: int):

@@ -10,6 +10,7 @@ import mla_ref
 from mla_ref import DecodeBatch, MLALayerWeights, ModelSpec
 
 import kernels
+import kernels.pdl as kpdl
 from kernels import DecodeConfig, MLADecodeLayer, TritonMLABackend, decode_positions, ops
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
 
@@ -205,8 +206,9 @@ def test_layer_matches_reference_gpu(kv):
 @pytest.mark.parametrize("heads,next_n", [(16, 1), (16, 2), (128, 2)])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
-    """Capture forward once; replays after new builds must equal eager forwards bitwise
-    (on Hopper: bf16 h=128 runs the Gluon ping-pong 64-row kernel, kernels/decode_wgmma_pp.py,
+    """Capture forward once; replays after new builds must equal eager forwards bitwise, with
+    the kernels launched with programmatic dependent launch (the default on Hopper: each waits
+    for the previous grid inside the kernel, kernels/pdl.py) and without it (on Hopper: bf16 h=128 runs the Gluon ping-pong 64-row kernel, kernels/decode_wgmma_pp.py,
     bf16 h=16 x 2 the plain 64-row one, kernels/decode_wgmma.py, FP8 h=128 and h=16 x 2 the
     warp-specialised 64-row one, kernels/decode_wgmma_ws64.py; FP8 h=16 x 1 the
     warp-specialised few-row one, kernels/decode_wgmma_ws.py -- asserted)."""
@@ -244,8 +246,13 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
         cache_buf[:case.kv_cache.shape[0]] = case.kv_cache
         graph.replay()
         e_out, e_lse = be.forward(q_buf, cache_buf, md)
+        # and launched without programmatic dependent launch (kernels/pdl.py): the same bits
+        monkeypatch.setattr(kpdl, "PDL", False)
+        p_out, p_lse = be.forward(q_buf, cache_buf, md)
+        monkeypatch.setattr(kpdl, "PDL", True)
         torch.cuda.synchronize()
         assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
+        assert torch.equal(g_out, p_out) and torch.equal(g_lse, p_lse)
         B = case.batch
         ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                  q_lens=case.q_lens)

@@ -1,0 +1,37 @@
+"""Programmatic dependent launch (kernels/pdl.py): where the kernels ask for it.
+
+The GPU half -- graph replays with it equal to launches without it, bit for bit -- is in
+``test_kernels_backend.test_cuda_graph_replay_follows_new_builds``."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+import kernels.pdl as kpdl
+
+
+def _on(monkeypatch, device, capability, *, switch=True, interpret="0"):
+    monkeypatch.setattr(kpdl, "PDL", switch)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    kpdl._has_pdl.cache_clear()
+    try:
+        return kpdl.pdl_on(types.SimpleNamespace(device=torch.device(device)))
+    finally:
+        kpdl._has_pdl.cache_clear()
+
+
+def test_pdl_only_on_hopper_and_later_cuda_devices_outside_the_interpreter(monkeypatch):
+    """On for a CUDA tensor of a compute capability 9.0+ device with the switch on; off for a
+    CPU tensor, an Ampere device, the CPU interpreter (which knows no ``griddepcontrol``) and
+    with the switch off. The launch option follows it, and is absent when off (the
+    interpreter takes no CUDA launch options)."""
+    assert _on(monkeypatch, "cuda:0", (9, 0))
+    assert _on(monkeypatch, "cuda:1", (10, 0))
+    assert not _on(monkeypatch, "cpu", (9, 0))
+    assert not _on(monkeypatch, "cuda:0", (8, 0))
+    assert not _on(monkeypatch, "cuda:0", (9, 0), interpret="1")
+    assert not _on(monkeypatch, "cuda:0", (9, 0), switch=False)
+    assert kpdl.launch_options(True) == {"launch_pdl": True}
+    assert kpdl.launch_options(False) == {}
