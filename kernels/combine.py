@@ -19,9 +19,8 @@ since its cost is per executed op. Per request:
 Most programs are of the first and last kinds (only requests crossed by a cut are split),
 so they are kept short: under the interpreter every executed op costs ~20 us.
 
-The merge is one pass over the pieces, ``CHUNK`` (4) a trip, unrolled: the trip's loads
-(each piece's lse ``[BLOCK_M]`` and partial rows ``[BLOCK_M, BLOCK_R]``) are independent, so
-they are in flight together, and each piece is folded into a running max, sum and
+The merge is one pass over the pieces, ``CHUNK`` (4) a trip, unrolled: each piece (its lse
+``[BLOCK_M]`` and partial rows ``[BLOCK_M, BLOCK_R]``) is folded into a running max, sum and
 accumulator (rescaled by ``2**(m_old - m_new)``, as the decode's online softmax). It
 replaced two loops of one piece a trip (the max first, then the weighted sum), whose every
 trip waited for its load: inside a graph replay on an H100 that merge took 40.5 us of FP8
@@ -30,26 +29,49 @@ h=16 s_q=2 B=1 L=16k's 65 (128 pieces) and 8 us of B=8 L=16k's 111
 (``h200-2026-11-26-combine-chunks.json``): B=1 at L=4k/16k 1.04-1.12x (FP8 h=16 s_q=2
 67.8 -> 61.4 us at L=16k), B >= 8 level (0.99-1.02x). Holding a chunk as one
 ``[CHUNK, BLOCK_M, BLOCK_R]`` tensor reduced over its first axis was up to 1.8x slower.
+
+Loads first. The trip's loads do not depend on each other, but compiled for sm_90 each piece's
+tile is loaded into the registers the previous one was folded from, so a program has one
+piece in flight at a time: about 0.26 us a piece, 33 us for FP8 h=16 s_q=2, B=1, L=16k's 128
+pieces on an H100 whatever the program count. With blocks of at most ``NARROW_COLUMNS``
+columns (``LOADS_FIRST``) a trip loads its four pieces into four tensors and only then folds
+them (the SASS issues the loads back to back); a launch whose grid would leave SMs idle
+(``combine_columns``: request x row-block pairs x the config's column blocks below the SM
+count) narrows its blocks to 32 columns, 4x the programs. Measured inside the full graph on an
+H100 (``h100-2026-11-26-combine-loads.json``, combine kernel / full replay): B=1, L=16k FP8
+h=16 s_q=2 33.1 -> 23.6 / 54.8 -> 45.9 us, bf16 h=16 s_q=1 17.4 -> 13.0 / 43.5 -> 39.1, bf16
+h=128 s_q=2 11.1 -> 8.7 / 54.1 -> 51.6; B=8, L=16k h=16 6.6 -> 5.0 / 81.2 -> 79.6. Loads first
+at the config's 128-column blocks ran 0.6-0.7 us slower at wide grids (h=128, B 8-32), so
+wide blocks keep the loop above; narrow blocks without loads first were slower still
+(38.7 us at B=1).
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
+from .config import interpreting
 from .pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
-__all__ = ["launch_combine", "COMBINE_CHUNK"]
+__all__ = ["launch_combine", "combine_columns", "COMBINE_CHUNK", "NARROW_COLUMNS"]
 
 #: pieces of a request merged per loop trip: their loads are independent, so a trip keeps
 #: CHUNK of them in flight (module doc; 4 and 8 measured alike at B=1, 4 level elsewhere)
 COMBINE_CHUNK = 4
+#: columns of a "narrow" block: at most this many (and chunks of 4) and the four pieces of a
+#: trip are loaded before they are folded (module doc, "Loads first"); also what a launch that
+#: would leave SMs idle narrows its blocks to
+NARROW_COLUMNS = 32
 
 
 @triton.jit
 def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, partial_cap, SQ, H,
                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    LOADS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     if PDL:  # before any read of the plan or the partials (kernels/pdl.py)
         grid_wait()
     b = tl.program_id(0).to(tl.int64)
@@ -94,20 +116,50 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for j0 in range(0, n, CHUNK):
-        for c in tl.static_range(CHUNK):
-            row = (first + j0 + c).to(tl.int64)
-            ok = row_ok & ((offs_m * 0 + j0 + c) < n)
-            lse_j = tl.load(plse_ptr + row * ROWS + offs_m, mask=ok, other=float("-inf"))
-            part = tl.load(po_ptr + row * (ROWS * RANK) + offs_m[:, None] * RANK + offs_r[None, :],
-                           mask=ok[:, None], other=0.0)
-            m_new = tl.maximum(m, lse_j)
+    if LOADS_FIRST:
+        # Narrow column blocks: the trip's four pieces are loaded into four tensors before any
+        # is folded, so their loads are in flight together (module doc, "Loads first")
+        prow = offs_m[:, None] * RANK + offs_r[None, :]
+        for j0 in range(0, n, 4):
+            r0 = (first + j0).to(tl.int64)
+            jv = offs_m * 0 + j0  # as a tensor: the interpreter takes no scalar masks
+            ok0 = row_ok & (jv < n)
+            ok1 = row_ok & (jv + 1 < n)
+            ok2 = row_ok & (jv + 2 < n)
+            ok3 = row_ok & (jv + 3 < n)
+            l0 = tl.load(plse_ptr + r0 * ROWS + offs_m, mask=ok0, other=float("-inf"))
+            l1 = tl.load(plse_ptr + (r0 + 1) * ROWS + offs_m, mask=ok1, other=float("-inf"))
+            l2 = tl.load(plse_ptr + (r0 + 2) * ROWS + offs_m, mask=ok2, other=float("-inf"))
+            l3 = tl.load(plse_ptr + (r0 + 3) * ROWS + offs_m, mask=ok3, other=float("-inf"))
+            p0 = tl.load(po_ptr + r0 * (ROWS * RANK) + prow, mask=ok0[:, None], other=0.0)
+            p1 = tl.load(po_ptr + (r0 + 1) * (ROWS * RANK) + prow, mask=ok1[:, None], other=0.0)
+            p2 = tl.load(po_ptr + (r0 + 2) * (ROWS * RANK) + prow, mask=ok2[:, None], other=0.0)
+            p3 = tl.load(po_ptr + (r0 + 3) * (ROWS * RANK) + prow, mask=ok3[:, None], other=0.0)
+            m_new = tl.maximum(tl.maximum(m, tl.maximum(l0, l1)), tl.maximum(l2, l3))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m - m_ref)  # 0 while m is -inf (nothing merged yet)
-            w = tl.exp2(lse_j - m_ref)  # 0 for a masked piece or a row without keys
-            l_sum = l_sum * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * part
+            w0 = tl.exp2(l0 - m_ref)  # 0 for a masked piece or a row without keys
+            w1 = tl.exp2(l1 - m_ref)
+            w2 = tl.exp2(l2 - m_ref)
+            w3 = tl.exp2(l3 - m_ref)
+            l_sum = l_sum * alpha + ((w0 + w1) + (w2 + w3))
+            acc = acc * alpha[:, None] + w0[:, None] * p0 + w1[:, None] * p1 + w2[:, None] * p2 + w3[:, None] * p3
             m = m_new
+    else:
+        for j0 in range(0, n, CHUNK):
+            for c in tl.static_range(CHUNK):
+                row = (first + j0 + c).to(tl.int64)
+                ok = row_ok & ((offs_m * 0 + j0 + c) < n)
+                lse_j = tl.load(plse_ptr + row * ROWS + offs_m, mask=ok, other=float("-inf"))
+                part = tl.load(po_ptr + row * (ROWS * RANK) + offs_m[:, None] * RANK + offs_r[None, :],
+                               mask=ok[:, None], other=0.0)
+                m_new = tl.maximum(m, lse_j)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_ref)  # 0 while m is -inf (nothing merged yet)
+                w = tl.exp2(lse_j - m_ref)  # 0 for a masked piece or a row without keys
+                l_sum = l_sum * alpha + w
+                acc = acc * alpha[:, None] + w[:, None] * part
+                m = m_new
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     has_keys = l_sum > 0.0
     o = acc / tl.where(has_keys, l_sum, 1.0)[:, None]
@@ -115,6 +167,24 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
     tl.store(out_rows, to_out(o, out_ptr.dtype.element_ty), mask=row_ok[:, None])
     if lse_here:
         tl.store(lse_rows, lse, mask=row_ok)
+
+
+def combine_columns(pairs: int, col_blocks: int, rank: int, out: torch.Tensor) -> int:
+    """Column blocks a combine launch takes: ``col_blocks`` (the config's), or on a GPU whose
+    SMs the grid would not fill (``pairs`` request x row-block pairs times ``col_blocks`` below
+    the SM count) blocks of ``NARROW_COLUMNS`` columns where the rank allows (module doc,
+    "Loads first"). ``out`` (any shape) gives the device; the interpreter keeps the config's."""
+    if out.device.type != "cuda" or interpreting():
+        return col_blocks
+    narrow = rank // NARROW_COLUMNS
+    if narrow <= col_blocks or rank % NARROW_COLUMNS or pairs * col_blocks >= _sm_count(out.device.index or 0):
+        return col_blocks
+    return narrow
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, *, block_m: int,
@@ -129,8 +199,11 @@ def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, 
     B, s_q, h, rank = out.shape
     if B == 0:
         return
-    grid = (B, triton.cdiv(s_q * h, block_m), col_blocks)
+    row_blocks = triton.cdiv(s_q * h, block_m)
+    col_blocks = combine_columns(B * row_blocks, col_blocks, rank, out)
+    grid = (B, row_blocks, col_blocks)
     pdl = pdl_on(out)
     _combine_kernel[grid](partial_o, partial_lse, num_splits, split_offsets, out, lse, partial_o.shape[0], s_q, h,
-                          RANK=rank, BLOCK_M=block_m, BLOCK_R=rank // col_blocks, CHUNK=chunk, PDL=pdl, num_warps=4,
+                          RANK=rank, BLOCK_M=block_m, BLOCK_R=rank // col_blocks, CHUNK=chunk,
+                          LOADS_FIRST=rank // col_blocks <= NARROW_COLUMNS and chunk == 4, PDL=pdl, num_warps=4,
                           **launch_options(pdl))

@@ -78,16 +78,17 @@ def test_combine_by_kind_of_request(dtype, s_q, h, col_blocks):
 
 
 
-@pytest.mark.parametrize("col_blocks", [1, 2])
+@pytest.mark.parametrize("col_blocks", [1, 2, 4])
 def test_combine_many_pieces_over_several_trips(col_blocks):
     """Requests of more pieces than one merge trip holds (``combine.COMBINE_CHUNK``): a whole
     number of trips, one and a piece, and a last trip of a single piece; the running max
     rises in a later trip (a large lse there) and some pieces have no keys for some rows.
     The rows past each request's pieces are NaN, so a lane of a trip that reads past its
-    request would show."""
+    request would show. Rank 64: one column block folds piece by piece, two and four (32 and
+    16 columns) load a trip's pieces first (``combine.NARROW_COLUMNS``)."""
     from kernels.combine import COMBINE_CHUNK as K
     g = torch.Generator().manual_seed(11)
-    rank, rows = 32, 6
+    rank, rows = 64, 6
     nsplit = torch.tensor([2 * K, K + 1, 2 * K + 1, 1], dtype=torch.int32)
     offsets = torch.tensor([0, 2 * K + 1, 3 * K + 3, 0], dtype=torch.int32)  # one NaN row after each
     cap = 5 * K + 5
@@ -136,3 +137,25 @@ def test_combine_rejects_bad_column_blocks(col_blocks):
     out, lse = torch.zeros(1, 1, 4, 32), torch.zeros(1, 4, 1)
     with pytest.raises(ValueError, match="col_blocks"):
         ops.combine(po, plse, nsplit, offsets, out, lse, 16, col_blocks)
+
+
+def test_combine_narrows_its_column_blocks_where_the_grid_would_leave_sms_idle(monkeypatch):
+    """``combine_columns``: on a GPU, a grid of fewer programs than SMs (request x row-block
+    pairs x the config's column blocks) takes 32-column blocks (rank 512: 16), a grid that
+    fills the SMs keeps the config's; the interpreter and CPU tensors always keep it, and so
+    does a rank that has no more 32-column blocks than asked for."""
+    import types
+    import kernels.combine as kc
+    monkeypatch.setattr(kc, "_sm_count", lambda index: 132)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert kc.combine_columns(8, 4, 512, gpu) == 16  # h=16 x 1, B=8: 32 programs
+    assert kc.combine_columns(32, 4, 512, gpu) == 16  # 128 programs < 132
+    assert kc.combine_columns(33, 4, 512, gpu) == 4  # 132 programs
+    assert kc.combine_columns(1024, 4, 512, gpu) == 4
+    assert kc.combine_columns(1, 4, 64, gpu) == 4  # 64 / 32 = 2 blocks: not more than 4
+    assert kc.combine_columns(1, 1, 64, gpu) == 2
+    assert kc.combine_columns(1, 4, 96, gpu) == 4  # 96 / 32 = 3 blocks: not more than 4
+    assert kc.combine_columns(8, 4, 512, types.SimpleNamespace(device=torch.device("cpu"))) == 4
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kc.combine_columns(8, 4, 512, gpu) == 4
