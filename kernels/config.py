@@ -682,9 +682,10 @@ def _wgmma_device(device: torch.device) -> bool:
 
 
 def _keys_device() -> bool:
-    """Whether FP8 blocks of up to 32 query rows take the keys-on-M Gluon kernel
+    """Whether FP8 blocks of up to 32 query rows may take the keys-on-M Gluon kernel
     (``kernels/decode_wgmma_keys.py``) on a device ``_wgmma_device`` accepts: its switch
-    ``decode_wgmma.WGMMA_KEYS``."""
+    ``decode_wgmma.WGMMA_KEYS`` (the warp-specialised kernels take them first where theirs
+    are on: ``_ws_device``, ``_ws64_device``)."""
     from . import decode_wgmma
     return bool(decode_wgmma.WGMMA_KEYS)
 

@@ -68,7 +68,8 @@ it): FP8 h=128 1.01-1.11x (geo-mean 1.06 at s_q=1, 1.07 at s_q=2; B=128, L=16k 1
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
 ``config.default_config`` gives FP8 64-row blocks of 64-key tiles with 8 warps on Hopper at
-h=128 (those configs already ran ``decode_wgmma``'s kernel). A build failure falls back to the
+h=128 (those configs already ran ``decode_wgmma``'s kernel) and at 17-32 query rows (h=16 x
+2, parts of two tiles: 0.99-1.09x the keys-on-M kernel there). A build failure falls back to the
 Triton kernel as for the other Gluon kernels (``decode_wgmma.mark_unavailable``).
 """
 from __future__ import annotations
