@@ -45,6 +45,35 @@ def test_read_reference_refuses_more_bytes_than_its_buffer(monkeypatch):
         ref.read_ref_ms(4000)
 
 
+def test_read_floor_refuses_more_bytes_than_its_buffer(monkeypatch):
+    """The same for the Triton read floor (it reads the reference's buffer as 32-bit words)."""
+    rt = _load_benchmark(monkeypatch, "replay_timing")
+    flush = type("F", (), {"clean": lambda self: None})()
+    ref = rt.ReadReference(1000, flush, device="cpu")
+    with pytest.raises(ValueError, match="exceeds its buffer"):
+        ref.read_floor_ms(4000)
+
+
+def test_read_floor_kernel_reads_every_word(monkeypatch):
+    """The floor's kernel (interpreted here) folds every word it is given into its programs'
+    outputs, and none past ``n_words``: the xor of the outputs is the xor of the words, over
+    a length that leaves a ragged last block and programs that stride more than once."""
+    import functools
+    import operator
+
+    import torch
+
+    rt = _load_benchmark(monkeypatch, "replay_timing")
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (1000,), generator=g, dtype=torch.int32)
+    n = 997  # the last 3 words must not be read
+    sink = torch.zeros(3, dtype=torch.int32)
+    rt._read_kernel[(3,)](words, sink, n, WORDS=64)
+    want = functools.reduce(operator.xor, words[:n].tolist())
+    assert functools.reduce(operator.xor, sink.tolist()) == want
+    assert want != functools.reduce(operator.xor, words.tolist())  # the tail would show
+
+
 @pytest.mark.gpu
 def test_replay_timing_flushes_before_every_timed_run_gpu(monkeypatch):
     """Every timed run (and every warm-up run) follows its own flush, so no run starts with
