@@ -41,7 +41,7 @@ count) narrows its blocks to 32 columns, 4x the programs. Measured inside the fu
 H100 (``h100-2026-11-26-combine-loads.json``, combine kernel / full replay): B=1, L=16k FP8
 h=16 s_q=2 33.1 -> 23.6 / 54.8 -> 45.9 us, bf16 h=16 s_q=1 17.4 -> 13.0 / 43.5 -> 39.1, bf16
 h=128 s_q=2 11.1 -> 8.7 / 54.1 -> 51.6; B=8, L=16k h=16 6.6 -> 5.0 / 81.2 -> 79.6. Loads first
-at the config's 128-column blocks ran 0.6-0.7 us slower at wide grids (h=128, B 8-32), so
+at the config's 128-column blocks ran 0.3-0.7 us slower at wide grids (h=128, B 8-32), so
 wide blocks keep the loop above; narrow blocks without loads first were slower still
 (38.7 us at B=1).
 """
