@@ -30,7 +30,9 @@ Measured on an H100, full planner + decode + combine graph replays after a clean
 with and without PDL interleaved in one process (``h100-2026-11-26-pdl-ab.json``): 1.015-1.05x
 over nine cases (h=16 and 128, B 1-32, L 1k-16k); the decode also releasing early gave
 0.96-1.05x, neither releasing 1.00-1.02x. The CPU interpreter knows no ``griddepcontrol``:
-``pdl_on`` is False there, and on CUDA devices before compute capability 9.0.
+``pdl_on`` is False there, on CUDA devices before compute capability 9.0, and with a CUDA
+runtime before 12.3 (the first whose graphs describe programmatic dependencies natively; a
+capture is where these launches run).
 """
 from __future__ import annotations
 
@@ -49,14 +51,27 @@ __all__ = ["PDL", "pdl_on", "launch_options", "grid_wait", "grid_release"]
 PDL = True
 
 
+#: the first CUDA release whose graphs capture programmatic dependent launches as edges
+PDL_MIN_CUDA = (12, 3)
+
+
+def _cuda_version() -> tuple:
+    """torch's CUDA runtime version as ``(major, minor)``; ``(0, 0)`` for a build without CUDA."""
+    try:
+        return tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    except ValueError:  # pragma: no cover - an unparsable version string: take no chances
+        return (0, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _has_pdl(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.cuda.get_device_capability(index)[0] >= 9 and _cuda_version() >= PDL_MIN_CUDA
 
 
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether kernels launched on ``t``'s device take PDL (module doc): the ``PDL`` switch on,
-    a CUDA tensor (any shape / dtype), not the interpreter, compute capability 9.0 or later."""
+    a CUDA tensor (any shape / dtype), not the interpreter, compute capability 9.0 or later
+    and a CUDA runtime of at least ``PDL_MIN_CUDA`` (earlier ones cannot capture it)."""
     if not PDL or t.device.type != "cuda" or interpreting():
         return False
     return _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())

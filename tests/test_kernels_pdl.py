@@ -11,8 +11,9 @@ import torch
 import kernels.pdl as kpdl
 
 
-def _on(monkeypatch, device, capability, *, switch=True, interpret="0"):
+def _on(monkeypatch, device, capability, *, switch=True, interpret="0", cuda="13.0"):
     monkeypatch.setattr(kpdl, "PDL", switch)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     kpdl._has_pdl.cache_clear()
@@ -24,8 +25,9 @@ def _on(monkeypatch, device, capability, *, switch=True, interpret="0"):
 
 def test_pdl_only_on_hopper_and_later_cuda_devices_outside_the_interpreter(monkeypatch):
     """On for a CUDA tensor of a compute capability 9.0+ device with the switch on; off for a
-    CPU tensor, an Ampere device, the CPU interpreter (which knows no ``griddepcontrol``) and
-    with the switch off. The launch option follows it, and is absent when off (the
+    CPU tensor, an Ampere device, a CUDA runtime before 12.3 (whose graphs cannot capture it),
+    a torch without CUDA, the CPU interpreter (which knows no ``griddepcontrol``) and with the
+    switch off. The launch option follows it, and is absent when off (the
     interpreter takes no CUDA launch options)."""
     assert _on(monkeypatch, "cuda:0", (9, 0))
     assert _on(monkeypatch, "cuda:1", (10, 0))
@@ -33,5 +35,8 @@ def test_pdl_only_on_hopper_and_later_cuda_devices_outside_the_interpreter(monke
     assert not _on(monkeypatch, "cuda:0", (8, 0))
     assert not _on(monkeypatch, "cuda:0", (9, 0), interpret="1")
     assert not _on(monkeypatch, "cuda:0", (9, 0), switch=False)
+    assert _on(monkeypatch, "cuda:0", (9, 0), cuda="12.3")
+    assert not _on(monkeypatch, "cuda:0", (9, 0), cuda="12.2")
+    assert not _on(monkeypatch, "cuda:0", (9, 0), cuda=None)
     assert kpdl.launch_options(True) == {"launch_pdl": True}
     assert kpdl.launch_options(False) == {}
