@@ -107,15 +107,15 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
-                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
-from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, softmax_rows_step,
-                          store_rows_result, tile_page, wait_prior_grid)
+from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, row_copy_layout, rows_tile_step,
+                          store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_WS64", "WGMMA_PP", "wgmma_plan", "ws64_taken", "pp_taken",
@@ -307,29 +307,23 @@ if gluon is not None:
         D: gl.constexpr = RANK + ROPE
         NG: gl.constexpr = RANK // GROUP
         # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                     instr_shape=[16, BLOCK_N // 2, 16])
-        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, RANK // 2, 16])
+        S_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_N // 2)
+        ACC_L: gl.constexpr = wgmma_layout([4, 2], RANK // 2)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
         ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
         COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
         # copies: 16-byte vectors along a row (8 16-bit values; 16 e4m3 codes)
-        Q_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                             warps_per_cta=[8, 1], order=[1, 0])
+        Q_L: gl.constexpr = row_copy_layout(8, 32, 8)
         if FP8:
-            LAT_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[1, 32],
-                                                   warps_per_cta=[8, 1], order=[1, 0])
+            LAT_L: gl.constexpr = row_copy_layout(16, 32, 8)
         else:
             LAT_L: gl.constexpr = Q_L
-        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                warps_per_cta=[8, 1], order=[1, 0])
+        ROPE_L: gl.constexpr = row_copy_layout(8, 8, 8)
         # FP8: a key's NG scale words; a group's codes read back 16 a thread, 4 rows x 128 a warp
         SC_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NG], threads_per_warp=[32, 1],
                                               warps_per_cta=[2, 4], order=[1, 0])
-        DEQ_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
-                                               warps_per_cta=[8, 1], order=[1, 0])
+        DEQ_L: gl.constexpr = row_copy_layout(16, 8, 8)
         LAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RANK], DT)
         ROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT)
         QLAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, RANK], DT)
@@ -410,19 +404,8 @@ if gluon is not None:
                         k_lat = k_lat_s.index(buf)
                     fence_async_shared()
                     gl.thread_barrier()
-
-                    s = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, S_L)
-                    s = warpgroup_mma(q_rope_s, k_rope_s.index(buf).permute((1, 0)), s, use_acc=False,
-                                      is_async=True)
-                    s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-
-                    p, alpha, m_i, l_i = softmax_rows_step(s * qk_scale, m_i, l_i, ctx, tile * BLOCK_N + n_s, seq_len)
-                    acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
-                    p_s.store(p.to(DT))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
+                    acc, m_i, l_i = rows_tile_step(q_lat_s, q_rope_s, k_lat, k_rope_s.index(buf), p_s, acc, m_i, l_i,
+                                                   ctx, tile, n_s, seq_len, qk_scale, S_L, ROW_A)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 # the trailing (empty) copy group
                 async_copy.wait_group(0)

@@ -84,8 +84,8 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, softmax_keys_step,
-                          store_keys_result, wait_prior_grid)
+from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, row_copy_layout, softmax_keys_step,
+                          store_keys_result, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_keys", "KEYS_BLOCK_N"]
@@ -230,17 +230,13 @@ if gluon is not None:
         NG: gl.constexpr = RANK // GROUP
         PV_SCALE: gl.constexpr = 256.0
         # [8, 1]: the warpgroups split M (keys in S^T, latent columns in acc^T); N is the q rows
-        MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                       instr_shape=[16, BLOCK_R, 16])
+        MMA_L: gl.constexpr = wgmma_layout([8, 1], BLOCK_R)
         KEY_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
         ROW_L: gl.constexpr = gl.SliceLayout(0, MMA_L)
-        Q_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                             warps_per_cta=[8, 1], order=[1, 0])
-        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                warps_per_cta=[8, 1], order=[1, 0])
+        Q_L: gl.constexpr = row_copy_layout(8, 32, 8)
+        ROPE_L: gl.constexpr = row_copy_layout(8, 8, 8)
         # a group's codes as int32 words, four a thread (one 16-byte load), 4 keys x 128 codes a warp
-        DEQ_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
-                                               warps_per_cta=[8, 1], order=[1, 0])
+        DEQ_L: gl.constexpr = row_copy_layout(4, 8, 8)
         K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, GROUP], KT)
         ROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], QT)
         QLAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, RANK], KT)

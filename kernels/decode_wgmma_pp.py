@@ -79,8 +79,8 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (key_rows, part_bounds, request_span, softmax_rows_step,
-                          store_rows_result, tile_page, wait_prior_grid)
+from .gluon_parts import (key_rows, part_bounds, request_span, row_copy_layout, softmax_rows_step, store_rows_result,
+                          tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_pp", "PP_ODD_REGS"]
@@ -91,13 +91,11 @@ PP_ODD_REGS = 240
 if gluon is not None:
     # The layouts of both partitions (one warpgroup each), for rank 512, 64-key tiles, 64 rows:
     # the dots' results, the four warps splitting the 64 rows
-    _S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
-    _ACC_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+    _S_L = gl.constexpr(wgmma_layout([4, 1], 64))
+    _ACC_L = gl.constexpr(wgmma_layout([4, 1], 256))
     # copies: 16-byte vectors along a row of a latent half / of the rope
-    _HALF_L = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[4, 1],
-                                            order=[1, 0]))
-    _ROPE_L = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                            order=[1, 0]))
+    _HALF_L = gl.constexpr(row_copy_layout(8, 32, 4))
+    _ROPE_L = gl.constexpr(row_copy_layout(8, 8, 4))
     # the rows of a score tile and of the accumulator, the accumulator's columns
     _ROW_S = gl.constexpr(gl.SliceLayout(1, _S_L.value))
     _ROW_A = gl.constexpr(gl.SliceLayout(1, _ACC_L.value))

@@ -65,8 +65,8 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, softmax_keys_step,
-                          store_keys_result, wait_prior_grid)
+from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, row_copy_layout, softmax_keys_step,
+                          store_keys_result, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
@@ -135,10 +135,8 @@ if gluon is not None:
         W: gl.constexpr = gl.num_warps()
         NG: gl.constexpr = RANK // GROUP
         # a group's codes as int32 words, four a thread (one 16-byte load)
-        DEQ_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
-                                               warps_per_cta=[W, 1], order=[1, 0])
-        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                warps_per_cta=[W, 1], order=[1, 0])
+        DEQ_L: gl.constexpr = row_copy_layout(4, 8, W)
+        ROPE_L: gl.constexpr = row_copy_layout(8, 8, W)
         pid_p = gl.program_id(0)
         b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
         c0 = gl.zeros([BLOCK_N, GROUP // 4], gl.int32, DEQ_L)
@@ -190,14 +188,11 @@ if gluon is not None:
         KT: gl.constexpr = gl.float16
         D: gl.constexpr = RANK + ROPE
         PV_SCALE: gl.constexpr = 256.0
-        MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1],
-                                                       instr_shape=[16, BLOCK_R, 16])
+        MMA_L: gl.constexpr = wgmma_layout([W, 1], BLOCK_R)
         KEY_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
         ROW_L: gl.constexpr = gl.SliceLayout(0, MMA_L)
-        Q_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                             warps_per_cta=[W, 1], order=[1, 0])
-        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                warps_per_cta=[W, 1], order=[1, 0])
+        Q_L: gl.constexpr = row_copy_layout(8, 32, W)
+        ROPE_L: gl.constexpr = row_copy_layout(8, 8, W)
 
         pid_p = gl.program_id(0)
         ROWS = SQ * H

@@ -78,13 +78,13 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, softmax_rows_step,
-                          store_rows_result, tile_page, wait_prior_grid)
+from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, row_copy_layout, rows_tile_step,
+                          store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS"]
@@ -175,12 +175,9 @@ if gluon is not None:
         NG: gl.constexpr = RANK // GROUP
         DT: gl.constexpr = gl.bfloat16
         # 16-byte vectors along a row: 16 codes, 8 rope values; a key's NG scale words
-        CODE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
-                                                warps_per_cta=[W, 1], order=[1, 0])
-        ROPE_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                                warps_per_cta=[W, 1], order=[1, 0])
-        SC_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, NG], threads_per_warp=[4, 8],
-                                              warps_per_cta=[W, 1], order=[1, 0])
+        CODE_L: gl.constexpr = row_copy_layout(16, 8, W)
+        ROPE_L: gl.constexpr = row_copy_layout(8, 8, W)
+        SC_L: gl.constexpr = row_copy_layout(NG, 8, W)
         # the K tiles' bytes as uint8 [NB * 2 * NG, BLOCK_N, GROUP]: [(2 s + 1) NG + g] group g of
         # the staging half of buffer s
         STAGE_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -216,21 +213,16 @@ if gluon is not None:
                       plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s, k_rope_s, ready, empty,
                       RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NB: gl.constexpr):
-        DT: gl.constexpr = q_ptr.dtype.element_ty
         D: gl.constexpr = RANK + ROPE
         # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                     instr_shape=[16, BLOCK_N // 2, 16])
-        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, RANK // 2, 16])
+        S_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_N // 2)
+        ACC_L: gl.constexpr = wgmma_layout([4, 2], RANK // 2)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
         ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
         COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
-        Q_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                             warps_per_cta=[8, 1], order=[1, 0])
-        QR_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                              warps_per_cta=[8, 1], order=[1, 0])
+        Q_L: gl.constexpr = row_copy_layout(8, 32, 8)
+        QR_L: gl.constexpr = row_copy_layout(8, 8, 8)
 
         pid_p = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -270,17 +262,8 @@ if gluon is not None:
                         mbarrier.arrive(empty.index((it + NB - 1) % NB))
                     mbarrier.wait(ready.index(s), (it // NB) & 1)
                     k_lat = k_lat_s.index(s)
-                    sc = gl.full([BLOCK_M, BLOCK_N], 0.0, gl.float32, S_L)
-                    sc = warpgroup_mma(q_rope_s, k_rope_s.index(s).permute((1, 0)), sc, use_acc=False, is_async=True)
-                    sc = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), sc, is_async=True)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-
-                    p, alpha, m_i, l_i = softmax_rows_step(sc * qk_scale, m_i, l_i, ctx, tile * BLOCK_N + n_s, seq_len)
-                    acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
-                    p_s.store(p.to(DT))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
+                    acc, m_i, l_i = rows_tile_step(q_lat_s, q_rope_s, k_lat, k_rope_s.index(s), p_s, acc, m_i, l_i,
+                                                   ctx, tile, n_s, seq_len, qk_scale, S_L, ROW_A)
                     it += 1
                 # the last tile's buffer goes back once its PV dot is done
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))

@@ -14,11 +14,15 @@ share q's conversion to fp16, the online-softmax step down the key axis and the 
 a request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``). The two
 64-row kernels (``decode_wgmma`` and its warp-specialised FP8 counterpart ``decode_wgmma_ws64``:
 the query rows on the wgmma M axis, scores ``S [64, keys]``, accumulator ``[64, 512]``) share
-q's copy, the online-softmax step along the key axis and the stores (``copy_q_rows``,
-``softmax_rows_step``, ``store_rows_result``; the ping-pong ``decode_wgmma_pp`` the last two,
-its stores a 256-column half at a time). The three 64-row kernels find a tile's cache rows
-alike: its page read a tile or two ahead when a page holds whole tiles (``tile_page``,
-``key_rows``).
+q's copy, a tile's dots and online-softmax step along the key axis, and the stores
+(``copy_q_rows``, ``rows_tile_step`` over ``softmax_rows_step``, ``store_rows_result``; the
+ping-pong ``decode_wgmma_pp`` the softmax step and the stores, its stores a 256-column half at
+a time). The three 64-row kernels find a tile's cache rows alike: its page read a tile or two
+ahead when a page holds whole tiles (``tile_page``, ``key_rows``). Every kernel builds its
+register layouts from ``row_copy_layout`` (16-byte vectors along rows) and ``wgmma_layout``,
+and, launched with programmatic dependent launch, waits with ``wait_prior_grid``
+(``kernels/pdl.py``). Moving the kernels' shared lines here left their SASS unchanged
+(compiled for sm_90 with Triton 3.6, every kernel and path, compared as text).
 """
 from __future__ import annotations
 
@@ -26,14 +30,30 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
-__all__ = ["wait_prior_grid", "part_bounds", "request_span", "tile_page", "key_rows",
+__all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "request_span", "tile_page", "key_rows",
            "q_rows_to_fp16", "softmax_keys_step", "store_keys_result", "copy_q_rows", "softmax_rows_step",
            "store_rows_result"]
 
 if gluon is not None:
+
+    @gluon.constexpr_function
+    def row_copy_layout(vec, row_threads, warps):
+        """The register layout of a tile copied in ``vec``-element vectors along its rows (16
+        bytes each): ``row_threads`` threads of a warp side by side along a row (so ``32 //
+        row_threads`` rows a warp), ``warps`` warps stacked down the rows, row-major."""
+        return gl.BlockedLayout(size_per_thread=[1, vec], threads_per_warp=[32 // row_threads, row_threads],
+                                warps_per_cta=[warps, 1], order=[1, 0])
+
+    @gluon.constexpr_function
+    def wgmma_layout(warps_per_cta, n):
+        """The layout of a wgmma result spread over ``warps_per_cta`` (``[along M, along N]``),
+        each warpgroup's instructions ``n`` columns wide."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps_per_cta, instr_shape=[16, n, 16])
 
     @gluon.jit
     def wait_prior_grid(PDL: gl.constexpr):
@@ -199,6 +219,32 @@ if gluon is not None:
         p = gl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def rows_tile_step(q_lat_s, q_rope_s, k_lat, k_rope, p_s, acc, m_i, l_i, ctx, tile, n_s, seq_len, qk_scale,
+                       S_L: gl.constexpr, ROW_A: gl.constexpr):
+        """One key tile of a 64-row kernel whose whole CTA (two warpgroups: ``S_L`` and the
+        accumulator's layout are ``[4, 2]``) works on it. Scores ``S = q_rope K_rope^T + q_lat
+        K_lat^T`` (shared q ``[64, rank]`` / ``[64, rope]``, shared tile ``k_lat [keys, rank]`` /
+        ``k_rope [keys, rope]``) times ``qk_scale``; ``softmax_rows_step`` over tile ``tile``'s
+        keys (``n_s``: ``arange(keys)`` in the scores' column slice) with the rows' ``ctx`` and
+        ``seq_len``; ``acc`` (fp32 ``[64, rank]``, an in-flight wgmma result) rescaled; P written
+        to ``p_s`` (``[64, keys]``, the tile's dtype) and the PV dot issued on it. Returns ``(acc,
+        m_i, l_i)``, ``acc`` in flight: the caller waits on it before ``p_s`` or the tile is
+        rewritten."""
+        s = gl.full([p_s.shape[0], p_s.shape[1]], 0.0, gl.float32, S_L)
+        s = warpgroup_mma(q_rope_s, k_rope.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_lat_s, k_lat.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        # (the keys' offsets after the dots, as the kernels had them inline: computed before,
+        # they moved the warp-specialised consumer's schedule)
+        p, alpha, m_i, l_i = softmax_rows_step(s * qk_scale, m_i, l_i, ctx, tile * p_s.shape[1] + n_s, seq_len)
+        acc = acc * gl.convert_layout(alpha, ROW_A)[:, None]
+        p_s.store(p.to(p_s.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_s, k_lat, acc, is_async=True)
+        return acc, m_i, l_i
 
     @gluon.jit
     def store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr, po_ptr, plse_ptr,
