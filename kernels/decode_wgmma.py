@@ -114,7 +114,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
-from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, row_copy_layout, rows_tile_step,
+from .gluon_parts import (copy_q_rows, key_rows, program_rows, request_span, row_copy_layout, rows_tile_step,
                           store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
@@ -310,7 +310,6 @@ if gluon is not None:
         S_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_N // 2)
         ACC_L: gl.constexpr = wgmma_layout([4, 2], RANK // 2)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
         ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
         COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
         # copies: 16-byte vectors along a row (8 16-bit values; 16 e4m3 codes)
@@ -345,15 +344,10 @@ if gluon is not None:
             codes_s = k_lat_s
             sc_s = k_lat_s
 
-        pid_p = gl.program_id(0)
-        pid_m = gl.program_id(1)
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
-        ctx_w = gl.load(ctxw_ptr)
-
-        # rows and keys in the dot layouts (masks)
-        m_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
-        n_s = gl.arange(0, BLOCK_N, layout=COL_S)
+        # the part, and the rows and keys in the dot layouts (masks)
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = program_rows(
+            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N, S_L)
         row_ok_s = m_s < ROWS
         tok_s = m_s // H
 
@@ -367,7 +361,7 @@ if gluon is not None:
                 # every warp is done with the shared buffers of the previous request
                 gl.thread_barrier()
                 # q (padding rows: zeros) and tile t0: copy group 0
-                copy_q_rows(q_ptr + b64 * (ROWS * D), pid_m * BLOCK_M, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
+                copy_q_rows(q_ptr + b64 * (ROWS * D), row0, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
                             ROPE_L)
                 _issue_tile(codes_s.index(0), k_rope_s.index(0), sc_s.index(0), kv_ptr, bt_row, t0, seq_len,
                             tile_page(bt_row, t0, t1, PAGE, BLOCK_N), PAGE, RANK, ROPE, NG, TOKEN_STRIDE, BLOCK_N, FP8,
@@ -410,7 +404,7 @@ if gluon is not None:
                 # the trailing (empty) copy group
                 async_copy.wait_group(0)
 
-                store_rows_result(acc, m_i, l_i, pid_m * BLOCK_M, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
+                store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
                                   po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
 
 

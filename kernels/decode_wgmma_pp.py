@@ -79,7 +79,7 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (key_rows, part_bounds, request_span, row_copy_layout, softmax_rows_step, store_rows_result,
+from .gluon_parts import (key_rows, program_rows, request_span, row_copy_layout, softmax_rows_step, store_rows_result,
                           tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
@@ -100,17 +100,6 @@ if gluon is not None:
     _ROW_S = gl.constexpr(gl.SliceLayout(1, _S_L.value))
     _ROW_A = gl.constexpr(gl.SliceLayout(1, _ACC_L.value))
     _COL_A = gl.constexpr(gl.SliceLayout(0, _ACC_L.value))
-
-    @gluon.jit
-    def _pp_program(part_ptr, ctxw_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        # What either partition needs of its program: the part's bounds (``part_bounds``), the
-        # row block's first row, the context-lens width, and its rows and a tile's keys in the
-        # score layout's slices
-        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
-        row0 = gl.program_id(1) * BLOCK_M
-        m_s = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _S_L))
-        n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_L))
-        return b_first, t_first, j_first, b_end, t_end, b_last, row0, gl.load(ctxw_ptr), m_s, n_s
 
     @gluon.jit
     def _pp_request(b, b_first, t_first, j_first, b_end, t_end, seq_ptr, nsplit_ptr, off_ptr, bt_ptr, bt_stride,
@@ -209,8 +198,8 @@ if gluon is not None:
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         D: gl.constexpr = RANK + kr_s.shape[2]
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(
-            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N)
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = program_rows(
+            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N, _S_L)
         ka = 0  # A's tiles so far (the free[0] phases), and B's (the pready[1] phases)
         kb = 0
         nreq = 0
@@ -288,8 +277,8 @@ if gluon is not None:
         wait_prior_grid(PDL)  # this partition's warps too (kernels/pdl.py)
         HALF: gl.constexpr = RANK // 2
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = _pp_program(
-            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N)
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = program_rows(
+            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N, _S_L)
         ka = 0  # A's tiles so far (the pready[0] phases), and B's (the free[1] phases)
         kb = 0
         nreq = 0

@@ -83,8 +83,8 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (copy_q_rows, key_rows, part_bounds, request_span, row_copy_layout, rows_tile_step,
-                          store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
+from .gluon_parts import (copy_q_rows, key_rows, part_bounds, program_rows, request_span, row_copy_layout,
+                          rows_tile_step, store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS"]
@@ -218,19 +218,14 @@ if gluon is not None:
         S_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_N // 2)
         ACC_L: gl.constexpr = wgmma_layout([4, 2], RANK // 2)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-        COL_S: gl.constexpr = gl.SliceLayout(0, S_L)
         ROW_A: gl.constexpr = gl.SliceLayout(1, ACC_L)
         COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
         Q_L: gl.constexpr = row_copy_layout(8, 32, 8)
         QR_L: gl.constexpr = row_copy_layout(8, 8, 8)
 
-        pid_p = gl.program_id(0)
-        pid_m = gl.program_id(1)
         ROWS = SQ * H
-        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
-        ctx_w = gl.load(ctxw_ptr)
-        m_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=ROW_S)
-        n_s = gl.arange(0, BLOCK_N, layout=COL_S)
+        b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = program_rows(
+            part_ptr, ctxw_ptr, BLOCK_M, BLOCK_N, S_L)
         row_ok_s = m_s < ROWS
         tok_s = m_s // H
         it = 0
@@ -242,7 +237,7 @@ if gluon is not None:
                 ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=row_ok_s & (tok_s < ctx_w), other=0)
                 # every consumer warp is done with q of the previous request
                 gl.thread_barrier()
-                copy_q_rows(q_ptr + b64 * (ROWS * D), pid_m * BLOCK_M, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
+                copy_q_rows(q_ptr + b64 * (ROWS * D), row0, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
                             QR_L)
                 async_copy.commit_group()
                 async_copy.wait_group(0)
@@ -270,7 +265,7 @@ if gluon is not None:
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index((it + NB - 1) % NB))
 
-                store_rows_result(acc, m_i, l_i, pid_m * BLOCK_M, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
+                store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
                                   po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
 
     @gluon.jit

@@ -18,7 +18,8 @@ q's copy, a tile's dots and online-softmax step along the key axis, and the stor
 (``copy_q_rows``, ``rows_tile_step`` over ``softmax_rows_step``, ``store_rows_result``; the
 ping-pong ``decode_wgmma_pp`` the softmax step and the stores, its stores a 256-column half at
 a time). The three 64-row kernels find a tile's cache rows alike: its page read a tile or two
-ahead when a page holds whole tiles (``tile_page``, ``key_rows``). Every kernel builds its
+ahead when a page holds whole tiles (``tile_page``, ``key_rows``), and start their programs
+alike (``program_rows``). Every kernel builds its
 register layouts from ``row_copy_layout`` (16-byte vectors along rows) and ``wgmma_layout``,
 and, launched with programmatic dependent launch, waits with ``wait_prior_grid``
 (``kernels/pdl.py``). Moving the kernels' shared lines here left their SASS unchanged
@@ -35,9 +36,9 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
-__all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "request_span", "tile_page", "key_rows",
-           "q_rows_to_fp16", "softmax_keys_step", "store_keys_result", "copy_q_rows", "softmax_rows_step",
-           "store_rows_result"]
+__all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "program_rows",
+           "request_span", "tile_page", "key_rows", "q_rows_to_fp16", "softmax_keys_step", "store_keys_result",
+           "copy_q_rows", "softmax_rows_step", "store_rows_result"]
 
 if gluon is not None:
 
@@ -77,6 +78,20 @@ if gluon is not None:
         # an end at tile 0 of b_end leaves b_end to the next part
         b_last = gl.where(t_end > 0, b_end, b_end - 1)
         return b_first, t_first, j_first, b_end, t_end, b_last
+
+    @gluon.jit
+    def program_rows(part_ptr, ctxw_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, S_L: gl.constexpr):
+        """What a 64-row kernel's program (part ``program_id(0)``, row block ``program_id(1)``)
+        needs first: its part's bounds (``part_bounds``), the row block's first row ``row0``, the
+        context-lens width ``ctx_w`` (``ctxw_ptr``: int32 ``[1]``), and its rows ``m_s`` and a
+        tile's keys ``n_s`` (``arange(BLOCK_N)``) in the score layout ``S_L``'s slices. Returns
+        ``(b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s)``."""
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
+        row0 = gl.program_id(1) * BLOCK_M
+        ctx_w = gl.load(ctxw_ptr)
+        m_s = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+        n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        return b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s
 
     @gluon.jit
     def request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr, nsplit_ptr, off_ptr,
