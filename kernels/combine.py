@@ -47,13 +47,11 @@ wide blocks keep the loop above; narrow blocks without loads first were slower s
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .config import interpreting
+from .config import _sm_count, interpreting
 from .pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
@@ -177,14 +175,9 @@ def combine_columns(pairs: int, col_blocks: int, rank: int, out: torch.Tensor) -
     if out.device.type != "cuda" or interpreting():
         return col_blocks
     narrow = rank // NARROW_COLUMNS
-    if narrow <= col_blocks or rank % NARROW_COLUMNS or pairs * col_blocks >= _sm_count(out.device.index or 0):
+    if narrow <= col_blocks or rank % NARROW_COLUMNS or pairs * col_blocks >= _sm_count(out.device):
         return col_blocks
     return narrow
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, *, block_m: int,
