@@ -49,6 +49,21 @@ producer next to a consumer that already spills at 200 (compiled for sm_90). 17-
 thread (its accumulator alone is 128 registers), also with the group dots waited two at a
 time and q converted a scale group at a time.
 
+Where the time goes (``h100-2026-11-26-ws-ablations.json``, B=128, L=16k; read floor 446 us):
+shipped 651 us, the producer alone 562, the producer alone without the e4m3 conversion 535,
+its loads alone (no shared stores) 480. Nsight Compute (``h100-2026-11-26-ncu-ws-source.json``,
+B=128, L=4k): the L1/shared pipe is the busiest unit (79%), DRAM at 51%, issue slots 28% busy;
+the producer's fp16 tile stores take twice their ideal wavefronts (a quarter-warp's 8 lanes
+write two 64-column blocks, lanes 4 apart on the same banks), 19% of all shared wavefronts.
+Tried and not kept: two tiles in flight while one converts (tiles landing in registers a,
+registers b or a ``cp.async`` staging buffer in turn, producer 144 / 152 registers), correct
+but 0.94x at B=128, L=16k and slower throughout (``-ws-ring.json``) -- the producer is not
+bound by its loads' latency; a tile's page read a tile ahead (``gluon_parts.tile_page``),
+1.01-1.03x at 128k tokens but 0.94-0.96x from 512k (``-ws-tile-page.json``); register layouts
+whose stores have no bank conflicts -- a quarter-warp on 8 rows (0.83x), or two 8-byte pieces
+a lane (0.90x) -- which cost more in their loads (lost 16-byte vectors or coalescing) and
+spills than the conflicts did (``-ws-store-layouts.json``).
+
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` allows it (a
 Hopper device, ``block_m`` 16 holding all the query rows, ``block_n`` 64, 4 warps, an FP8 cache
 of 128-value groups with bf16 q, the ``WGMMA_WS`` switch on); a build failure falls back to the

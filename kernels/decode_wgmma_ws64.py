@@ -41,29 +41,56 @@ Measured on an H100, in the full benchmark grid, old code (c212cbb) and new in o
 (``benchmarks/results/h100-2026-11-26-kernel-16*.json``; B 1-128, L 1k-16k): FP8 h=128 s_q=1
 1.06-1.28x (geo-mean 1.18), s_q=2 1.06-1.30x (1.22); at B=128, L=16k s_q=1 2158 -> 1683 us (the
 bf16 kernel: 1535), s_q=2 4257 -> 3269; every other case 0.99-1.02x. Ablations
-(``h100-2026-11-26-wgmma-ws64-ab.json``; B=128, L=16k, h=128, s_q=1, timing only): the
-producer alone (the consumer only handing buffers back) 1106 us, the consumer alone (the
-producer only copying) 1228 -- together they slow each other down (shared-memory bandwidth and
-the issue slots of the same SM sub-partitions), and with only two buffers each tile's copy
-latency stays in the producer's path. Tried and not kept (same json, six cases h=128 and h=16
-x 2): dequantising only once all four commit groups have landed, 0.92-0.96x; issuing a tile's
-QK before waiting for the previous PV, 0.85-1.00x; asking L2 for the next tile's rows a tile
-ahead (``cp.async.bulk.prefetch.L2``, a row a key), 0.90-1.04x; 56 producer registers (the
-consumer 224), 0.93-0.98x. h=16 at s_q=2 (32 rows, padded to 64 here) keeps the keys-on-M
-kernel of ``decode_wgmma_keys``: this one ran B=128, L=16k in 881 us and B=8, L=16k in 78 (the
-ablation command), that kernel 800 and 76 in the full grid (``-kernel-16.json``; another
-command on the same kind of GPU, so only indicative). Mutants of this kernel against its GPU
-test (same json): five give wrong results the test catches (codes staged in the lower half,
-group 1 read before it lands, a group's scale swapped, the copy mask or the causal mask
-dropped), three hang it (a ready or empty wait dropped, the last buffer never handed back),
-and two races were never observed on an H100 (the barrier before group 3 overwrites staged
-codes, the fence before the producer's arrival).
+(``h100-2026-11-26-wgmma-ws64-ab.json``; B=128, L=16k, h=128, s_q=1, timing only): the producer
+alone (the consumer only handing buffers back) 1106 us, the consumer alone (the producer only
+copying) 1228 -- together they slow each other down (shared-memory bandwidth and the issue
+slots of the same SM sub-partitions), and with only two buffers each tile's copy latency stays
+in the producer's path. Tried and not kept (same json, six cases h=128 and h=16 x 2):
+dequantising only once all four commit groups have landed, 0.92-0.96x; issuing a tile's QK
+before waiting for the previous PV, 0.85-1.00x; asking L2 for the next tile's rows a tile ahead
+(``cp.async.bulk.prefetch.L2``, a row a key), 0.90-1.04x; 56 producer registers (the consumer
+224), 0.93-0.98x. h=16 at s_q=2 (32 rows, then padded to 64 here) first kept the keys-on-M
+kernel of ``decode_wgmma_keys`` (this one took it later, below): this one ran B=128, L=16k in
+881 us and B=8, L=16k in 78 (the ablation command), that kernel 800 and 76 in the full grid
+(``-kernel-16.json``; another command on the same kind of GPU, so only indicative). Mutants of
+this kernel against its GPU test (same json): five give wrong results the test catches (codes
+staged in the lower half, group 1 read before it lands, a group's scale swapped, the copy mask
+or the causal mask dropped), three hang it (a ready or empty wait dropped, the last buffer
+never handed back), and two races were never observed on an H100 (the barrier before group 3
+overwrites staged codes, the fence before the producer's arrival).
 
 The producer loads each tile's page a tile ahead of its copies when a page holds whole tiles
 (``gluon_parts.tile_page``: one block-table read off the copies' path instead of one a key on
 it): FP8 h=128 1.01-1.11x (geo-mean 1.06 at s_q=1, 1.07 at s_q=2; B=128, L=16k 1710 -> 1552 and
 3291 -> 2999 us), old code (77f59e9) and new in one command
 (``h100-2026-11-26-kernel-18-before-77f59e9.json`` / ``-kernel-18.json``).
+
+**Up to 32 query rows a request** (h=16 x 2 tokens, h=8 x 4; ``W64_KEYS_ROWS``) the launch
+takes a keys-on-M consumer instead (``_w64_keys_consumer``, the same producer and tiles): the
+scores ``S^T [64 keys, 32 rows] = K Q^T`` and the accumulator ``acc^T [512, 32] += K^T P^T``
+put the keys / latent columns on the wgmma M axis and the rows on N, each warpgroup half the
+rows (``[4, 2]`` warps), so that no padding rows are computed, the softmax of a row stays in
+one warpgroup (no exchange between them) and q (32 rows) takes half the shared memory (191
+KiB in all). The values are the 64-row consumer's (bf16 ``code * scale`` keys, P in bf16),
+only the dots' shapes differ. Measured on an H100, FP8 h=16 s_q=2, old (22354fa) and new code
+in one command over the full grid (``h100-2026-11-26-kernel-23*.json``): 1.005-1.048x
+(geo-mean 1.03; B=32, L=1k 30.6 -> 29.2 us, B=128, L=16k 785 -> 772), every other case
+0.985-1.025x; the same consumer against the 64-row one in one process, 1.00-1.05x
+(``h100-2026-11-26-ws64-keys.json``). Its K tile is read by both warpgroups (the 64-row
+consumer splits the keys between them and reads q twice instead), so by its dots' operand sizes
+it reads about as much shared memory a tile (~310 KiB); what it saves is the padding rows' dots.
+
+Where the time goes at h=16 s_q=2 (``h100-2026-11-26-ws-ablations.json``, B=128, L=16k, 64-row
+consumer): the producer alone 601 us, the consumer alone 603, together 782 (the read floor of
+those bytes: 446). Nsight Compute (``h100-2026-11-26-ncu-ws-source.json``, B=128, L=4k): the
+L1/shared pipe is the busiest unit (74%), DRAM at 42%, issue slots 35% busy; the producer's
+``cp.async`` writes into the staging half show 2.6x their ideal wavefronts. Tried at 32 rows
+and not kept (``-ws64-keys.json``): with the keys-on-M consumer's smaller register need, an
+8-warp producer (80 registers) 0.95x; a producer staging each tile in the 40 KiB that the
+32-row q frees (codes, scales and rope, a scale group at a time, each group copied as soon as
+the previous tile's group has been dequantised out of its place; scale buffers dropped),
+correct but 0.89x at B=128, L=16k -- its extra shared traffic (rope copied twice) costs more
+than the copy latency it hides.
 
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
@@ -78,16 +105,17 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma_init,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (copy_q_rows, key_rows, part_bounds, program_rows, request_span, row_copy_layout,
-                          rows_tile_step, store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
+from .gluon_parts import (key_rows, part_bounds, program_rows, request_span, row_copy_layout, rows_tile_step,
+                          softmax_keys_step, start_request_rows, store_keys_lse, store_keys_part, store_rows_result,
+                          tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
-__all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS"]
+__all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS", "W64_KEYS_ROWS"]
 
 #: tile buffers handed between the two partitions (two fill the shared memory)
 W64_BUFS = 2
@@ -97,6 +125,9 @@ W64_PRODUCER_WARPS = 4
 W64_PRODUCER_REGS = 64
 #: the kernel's register cap: (8 + W64_PRODUCER_WARPS) warps x 32 threads x this <= 64K
 W64_MAXNREG = 168
+#: launches of at most this many query rows a request (up to 32) take the keys-on-M consumer
+#: (module doc); 0 sends every launch to the 64-row one
+W64_KEYS_ROWS = 32
 
 if gluon is not None:
 
@@ -209,11 +240,22 @@ if gluon is not None:
                 it += 1
 
     @gluon.jit
+    def _w64_take_buffer(acc, it, tile, t0, ready, empty, NB: gl.constexpr):
+        # A consumer's turn to tile ``it``: the PV dot of the previous tile is done (in both
+        # warpgroups, after the barrier), so its buffer goes back to the producer and P may be
+        # rewritten; then this tile's buffer is waited for. Returns ``acc`` waited on.
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()
+        if tile > t0:
+            mbarrier.arrive(empty.index((it + NB - 1) % NB))
+        mbarrier.wait(ready.index(it % NB), (it // NB) & 1)
+        return acc
+
+    @gluon.jit
     def _w64_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
                       plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s, k_rope_s, ready, empty,
                       RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       NB: gl.constexpr):
-        D: gl.constexpr = RANK + ROPE
         # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
         S_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_N // 2)
         ACC_L: gl.constexpr = wgmma_layout([4, 2], RANK // 2)
@@ -234,28 +276,15 @@ if gluon is not None:
             seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
                                                           nsplit_ptr, off_ptr, BLOCK_N)
             if t1 > t0:
-                ctx = gl.load(ctx_ptr + b64 * ctx_w + tok_s, mask=row_ok_s & (tok_s < ctx_w), other=0)
-                # every consumer warp is done with q of the previous request
-                gl.thread_barrier()
-                copy_q_rows(q_ptr + b64 * (ROWS * D), row0, ROWS, q_lat_s, q_rope_s, RANK, ROPE, Q_L,
-                            QR_L)
-                async_copy.commit_group()
-                async_copy.wait_group(0)
-                fence_async_shared()
-                gl.thread_barrier()
+                ctx = start_request_rows(q_ptr, ctx_ptr, b64, ctx_w, tok_s, row_ok_s, row0, ROWS, q_lat_s, q_rope_s,
+                                         RANK, ROPE, Q_L, QR_L)
 
                 m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, ROW_S)
                 l_i = gl.full([BLOCK_M], 0.0, gl.float32, ROW_S)
                 acc = warpgroup_mma_init(gl.full([BLOCK_M, RANK], 0.0, gl.float32, ACC_L))
                 for tile in range(t0, t1):
                     s = it % NB
-                    # the PV dot of the previous tile is done (in both warpgroups, after the
-                    # barrier): its buffer goes back to the producer, P may be rewritten
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    gl.thread_barrier()
-                    if tile > t0:
-                        mbarrier.arrive(empty.index((it + NB - 1) % NB))
-                    mbarrier.wait(ready.index(s), (it // NB) & 1)
+                    acc = _w64_take_buffer(acc, it, tile, t0, ready, empty, NB)
                     k_lat = k_lat_s.index(s)
                     acc, m_i, l_i = rows_tile_step(q_lat_s, q_rope_s, k_lat, k_rope_s.index(s), p_s, acc, m_i, l_i,
                                                    ctx, tile, n_s, seq_len, qk_scale, S_L, ROW_A)
@@ -269,13 +298,78 @@ if gluon is not None:
                                   po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
 
     @gluon.jit
+    def _w64_keys_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
+                           plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s, k_rope_s, ready,
+                           empty, RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NB: gl.constexpr):
+        # The consumer for up to BLOCK_R (32) query rows: the keys on the wgmma M axis (module doc),
+        # each warpgroup the dots of half the rows -- S^T [keys, rows], acc^T [RANK, rows] -- so
+        # neither the padding of a 64-row block nor any exchange between the warpgroups is paid
+        # [4, 2]: a warpgroup's four warps split the keys / latent columns, the two warpgroups the rows
+        MMA_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_R // 2)
+        KEY_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
+        ROW_L: gl.constexpr = gl.SliceLayout(0, MMA_L)
+        Q_L: gl.constexpr = row_copy_layout(8, 32, 8)
+        QR_L: gl.constexpr = row_copy_layout(8, 8, 8)
+
+        ROWS = SQ * H
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
+        row0 = gl.program_id(1) * BLOCK_R
+        ctx_w = gl.load(ctxw_ptr)
+        r = row0 + gl.arange(0, BLOCK_R, layout=ROW_L)
+        n = gl.arange(0, BLOCK_N, layout=KEY_L)
+        c = gl.arange(0, RANK, layout=KEY_L)
+        row_ok = r < ROWS
+        tok = r // H
+        it = 0
+        for b in range(b_first, b_last + 1):
+            b64 = b.to(gl.int64)
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            if t1 > t0:
+                ctx = start_request_rows(q_ptr, ctx_ptr, b64, ctx_w, tok, row_ok, row0, ROWS, q_lat_s, q_rope_s, RANK,
+                                         ROPE, Q_L, QR_L)
+
+                m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, ROW_L)
+                l_p = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
+                acc = warpgroup_mma_init(gl.full([RANK, BLOCK_R], 0.0, gl.float32, MMA_L))
+                for tile in range(t0, t1):
+                    s = it % NB
+                    acc = _w64_take_buffer(acc, it, tile, t0, ready, empty, NB)
+                    k_lat = k_lat_s.index(s)
+                    st = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
+                    st = warpgroup_mma(k_rope_s.index(s), q_rope_s.permute((1, 0)), st, use_acc=False, is_async=True)
+                    st = warpgroup_mma(k_lat, q_lat_s.permute((1, 0)), st, is_async=True)
+                    st = warpgroup_mma_wait(num_outstanding=0, deps=(st, ))
+                    p, alpha, m_i, l_p = softmax_keys_step(st * qk_scale, m_i, l_p, ctx, tile * BLOCK_N + n, seq_len)
+                    acc = acc * alpha[None, :]
+                    p_s.store(p.to(p_s.dtype))
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    acc = warpgroup_mma(k_lat.permute((1, 0)), p_s, acc, is_async=True)
+                    it += 1
+                # the last tile's buffer goes back once its PV dot is done
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((it + NB - 1) % NB))
+
+                l_i = gl.sum(l_p, axis=0)
+                has_keys = l_i > 0.0
+                l_safe = gl.where(has_keys, l_i, 1.0)
+                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                store_keys_part(acc, 0, 1.0 / l_safe, r, c, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS,
+                                RANK)
+                store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)
+
+    @gluon.jit
     def _decode_ws64_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                             out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                             PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                             TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            PDL: gl.constexpr):
-        gl.static_assert(BLOCK_M == 64)
+                            PDL: gl.constexpr, KEYS: gl.constexpr):
+        # BLOCK_M: a program's query rows, 64, or 32 with the keys-on-M consumer (KEYS)
+        gl.static_assert(BLOCK_M == (32 if KEYS else 64))
         gl.static_assert(gl.num_warps() == 8)
         wait_prior_grid(PDL)  # before any read of the plan (kernels/pdl.py)
         gl.static_assert(RANK // GROUP == 4)
@@ -284,11 +378,13 @@ if gluon is not None:
         ROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], DT)
         QLAT_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, RANK], DT)
         QROPE_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], DT)
-        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], DT)
+        # P [rows, keys], or P^T [keys, rows] for the keys-on-M consumer
+        P_SHAPE: gl.constexpr = [BLOCK_N, BLOCK_M] if KEYS else [BLOCK_M, BLOCK_N]
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for(P_SHAPE, DT)
         PLAIN_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         q_lat_s = gl.allocate_shared_memory(DT, [BLOCK_M, RANK], QLAT_SH)
         q_rope_s = gl.allocate_shared_memory(DT, [BLOCK_M, ROPE], QROPE_SH)
-        p_s = gl.allocate_shared_memory(DT, [BLOCK_M, BLOCK_N], P_SH)
+        p_s = gl.allocate_shared_memory(DT, P_SHAPE, P_SH)
         k_lat_s = gl.allocate_shared_memory(DT, [NB, BLOCK_N, RANK], LAT_SH)
         k_rope_s = gl.allocate_shared_memory(DT, [NB, BLOCK_N, ROPE], ROPE_SH)
         sc_s = gl.allocate_shared_memory(gl.float32, [NB, BLOCK_N, RANK // GROUP], PLAIN_SH)
@@ -297,13 +393,22 @@ if gluon is not None:
         for i in gl.static_range(NB):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        gl.warp_specialize([
-            (_w64_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
-                             po_ptr, plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s,
-                             k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB)),
-            (_w64_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s,
-                             sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB, PDL)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        if KEYS:
+            gl.warp_specialize([
+                (_w64_keys_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
+                                      lse_ptr, po_ptr, plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s,
+                                      k_lat_s, k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB)),
+                (_w64_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s,
+                                 sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB, PDL)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_w64_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
+                                 po_ptr, plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s,
+                                 k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB)),
+                (_w64_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s,
+                                 sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB, PDL)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
@@ -316,10 +421,12 @@ def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = -(-(s_q * h) // block_m)
+    # up to W64_KEYS_ROWS (at most 32) rows, one row block: the keys-on-M consumer, a 32-row q
+    keys = s_q * h <= min(W64_KEYS_ROWS, 32)
     pdl = pdl_on(q)
     _decode_ws64_kernel[(num_parts, m_blocks)](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
         PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
-        BLOCK_M=block_m, BLOCK_N=block_n, NB=W64_BUFS, PRODUCER_WARPS=W64_PRODUCER_WARPS,
-        PRODUCER_REGS=W64_PRODUCER_REGS, PDL=pdl, num_warps=8, maxnreg=W64_MAXNREG, launch_pdl=pdl)
+        BLOCK_M=32 if keys else block_m, BLOCK_N=block_n, NB=W64_BUFS, PRODUCER_WARPS=W64_PRODUCER_WARPS,
+        PRODUCER_REGS=W64_PRODUCER_REGS, PDL=pdl, KEYS=keys, num_warps=8, maxnreg=W64_MAXNREG, launch_pdl=pdl)

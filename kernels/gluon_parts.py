@@ -10,20 +10,23 @@ lines (under the interpreter a nested jit call costs more than the lines,
 
 The two few-row FP8 kernels (keys on the wgmma M axis: scores ``S^T [keys, rows]``, the
 accumulator ``acc^T [512, rows]`` in four ``[128, rows]`` parts, one per scale group) also
-share q's conversion to fp16, the online-softmax step down the key axis and the stores of
-a request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``). The two
-64-row kernels (``decode_wgmma`` and its warp-specialised FP8 counterpart ``decode_wgmma_ws64``:
-the query rows on the wgmma M axis, scores ``S [64, keys]``, accumulator ``[64, 512]``) share
-q's copy, a tile's dots and online-softmax step along the key axis, and the stores
-(``copy_q_rows``, ``rows_tile_step`` over ``softmax_rows_step``, ``store_rows_result``; the
-ping-pong ``decode_wgmma_pp`` the softmax step and the stores, its stores a 256-column half at
-a time). The three 64-row kernels find a tile's cache rows alike: its page read a tile or two
-ahead when a page holds whole tiles (``tile_page``, ``key_rows``), and start their programs
-alike (``program_rows``). Every kernel builds its
-register layouts from ``row_copy_layout`` (16-byte vectors along rows) and ``wgmma_layout``,
-and, launched with programmatic dependent launch, waits with ``wait_prior_grid``
-(``kernels/pdl.py``). Moving the kernels' shared lines here left their SASS unchanged
-(compiled for sm_90 with Triton 3.6, every kernel and path, compared as text).
+share q's conversion to fp16, the online-softmax step down the key axis and the stores of a
+request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``); the
+keys-on-M consumer of ``decode_wgmma_ws64`` (up to 32 rows, one ``[512, rows]`` accumulator)
+the softmax step and the stores of one accumulator part and of the log-sum-exp
+(``store_keys_part``, ``store_keys_lse``). The two 64-row kernels (``decode_wgmma`` and its
+warp-specialised FP8 counterpart ``decode_wgmma_ws64``: the query rows on the wgmma M axis,
+scores ``S [64, keys]``, accumulator ``[64, 512]``) share q's copy, a tile's dots and
+online-softmax step along the key axis, and the stores (``copy_q_rows``, ``rows_tile_step``
+over ``softmax_rows_step``, ``store_rows_result``; the ping-pong ``decode_wgmma_pp`` the
+softmax step and the stores, its stores a 256-column half at a time). The three 64-row kernels
+find a tile's cache rows alike: its page read a tile or two ahead when a page holds whole tiles
+(``tile_page``, ``key_rows``), and start their programs alike (``program_rows``); the
+warp-specialised one's two consumers start a request alike (``start_request_rows``). Every kernel
+builds its register layouts from ``row_copy_layout`` (16-byte vectors along rows) and
+``wgmma_layout``, and, launched with programmatic dependent launch, waits with
+``wait_prior_grid`` (``kernels/pdl.py``). Moving the kernels' shared lines here left their SASS
+unchanged (compiled for sm_90 with Triton 3.6, every kernel and path, compared as text).
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 __all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "program_rows",
            "request_span", "tile_page", "key_rows", "q_rows_to_fp16", "softmax_keys_step", "store_keys_result",
-           "copy_q_rows", "softmax_rows_step", "store_rows_result"]
+           "store_keys_part", "store_keys_lse", "copy_q_rows", "start_request_rows", "softmax_rows_step",
+           "store_rows_result"]
 
 if gluon is not None:
 
@@ -199,6 +203,34 @@ if gluon is not None:
             gl.store(plse_ptr + p64 * ROWS + r, lse2, mask=row_ok)
 
     @gluon.jit
+    def store_keys_part(a, col0, inv_l, r, c, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS,
+                        RANK: gl.constexpr):
+        """One part ``a`` of a keys-on-M kernel's accumulator ``acc^T`` (fp32 ``[C, R]``: latent
+        columns ``col0 + c``, ``c`` of ``[C]`` below ``C``; rows ``r`` = ``token * H + head``), times
+        ``inv_l`` (``[R]``): an unsplit request (``nsplit == 1``) stores it into ``out`` (its dtype,
+        ``[B, s_q, h, RANK]``), a split one into its fp32 partial row ``p_row`` (``[cap, ROWS,
+        RANK]``) while ``p_row < partial_cap``. The log-sum-exp goes separately
+        (``store_keys_lse``)."""
+        ok_o = (c[:, None] < a.shape[0]) & (r < ROWS)[None, :]
+        at = r.to(gl.int64)[None, :] * RANK + (col0 + c)[:, None]
+        if nsplit == 1:
+            gl.store(out_ptr + b64 * (ROWS * RANK) + at, (a * inv_l[None, :]).to(out_ptr.dtype.element_ty), mask=ok_o)
+        elif p_row < partial_cap:
+            gl.store(po_ptr + p_row.to(gl.int64) * (ROWS * RANK) + at, a * inv_l[None, :], mask=ok_o)
+
+    @gluon.jit
+    def store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H):
+        """A request's log2-sum-exp ``lse2`` (``[R]``, rows ``r``): natural log into ``lse``
+        (``[B, h, s_q]``) when unsplit (``nsplit == 1``), else into its partial row ``p_row``
+        (log2, ``[cap, ROWS]``) while ``p_row < partial_cap``."""
+        LN2: gl.constexpr = 0.6931471805599453
+        row_ok = r < ROWS
+        if nsplit == 1:
+            gl.store(lse_ptr + b64 * ROWS + (r % H) * SQ + r // H, lse2 * LN2, mask=row_ok)
+        elif p_row < partial_cap:
+            gl.store(plse_ptr + p_row.to(gl.int64) * ROWS + r, lse2, mask=row_ok)
+
+    @gluon.jit
     def copy_q_rows(q_row, row0, ROWS, q_lat_s, q_rope_s, RANK: gl.constexpr, ROPE: gl.constexpr, LAT_L: gl.constexpr,
                     ROPE_L: gl.constexpr):
         """Issue the ``cp.async`` copies of a row block's q into shared memory (the caller commits
@@ -217,6 +249,26 @@ if gluon is not None:
         async_copy.async_copy_global_to_shared(q_rope_s,
                                                q_row + m_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
                                                mask=(m_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+
+    @gluon.jit
+    def start_request_rows(q_ptr, ctx_ptr, b64, ctx_w, tok, row_ok, row0, ROWS, q_lat_s, q_rope_s,
+                           RANK: gl.constexpr, ROPE: gl.constexpr, LAT_L: gl.constexpr, ROPE_L: gl.constexpr):
+        """Request ``b64``'s start in a consumer whose warps all read q from shared memory: loads
+        its rows' context lengths (``ctx_ptr``: int32 ``[B, ctx_w]``; ``tok``: each row's token,
+        ``row_ok`` the real rows, in any layout), waits until every warp of the partition is done
+        with the previous request's q, then copies this one's (``copy_q_rows``: q ``[B, ROWS, RANK +
+        ROPE]`` at ``q_ptr``, the block's rows from ``row0``, in layouts ``LAT_L`` / ``ROPE_L``) and
+        waits until it has landed and is visible to the dots. Returns the context lengths (0 where
+        masked)."""
+        ctx = gl.load(ctx_ptr + b64 * ctx_w + tok, mask=row_ok & (tok < ctx_w), other=0)
+        # every consumer warp is done with q of the previous request
+        gl.thread_barrier()
+        copy_q_rows(q_ptr + b64 * (ROWS * (RANK + ROPE)), row0, ROWS, q_lat_s, q_rope_s, RANK, ROPE, LAT_L, ROPE_L)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        return ctx
 
     @gluon.jit
     def softmax_rows_step(s, m_i, l_i, ctx, offs_n, seq_len):

@@ -354,17 +354,16 @@ def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,s_q,page", [(128, 1, 64), (128, 1, 16), (128, 2, 128), (64, 1, 32), (20, 4, 64),
-                                            (16, 2, 64)])
+@pytest.mark.parametrize("heads,s_q,page", [(128, 1, 64), (128, 1, 16), (128, 2, 128), (64, 1, 32), (20, 4, 64)])
 @pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
 @pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
 def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts, monkeypatch):
     """The warp-specialised 64-row FP8 kernel (kernels/decode_wgmma_ws64.py: a producer
     partition copying each 64-key tile into a free buffer and dequantising it there, in place,
     a scale group at a time; two consumer warpgroups' dots) against mla_ref at DeepSeek size:
-    h=128 at s_q 1-2 (one and four row blocks), h=64, h=20 x 4 tokens (16 padding rows in the
-    second block, mixed query lengths) and h=16 x 2 (32 padding rows) in 64-row blocks of
-    64-key tiles with 8 warps. Lengths around the tiles and pages, a 9000-key request split
+    h=128 at s_q 1-2 (one and four row blocks), h=64 and h=20 x 4 tokens (16 padding rows in
+    the second block, mixed query lengths) in 64-row blocks of 64-key tiles with 8 warps (up
+    to 32 rows: the next test). Lengths around the tiles and pages, a 9000-key request split
     over many parts, empty requests (both partitions must skip them alike), NaN in every stale
     slot and padding query token; ``big_q`` and ``parts`` as in the keys-on-M test (3 parts:
     the buffers' phases wrap many times, the producer crosses requests)."""
@@ -375,6 +374,50 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     hopper = torch.cuda.get_device_capability()[0] == 9
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 41)
     assert len(calls) == (1 if hopper else 0)
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
+class _KernelSpy:
+    """Stands in for a Gluon kernel object: records the ``KEYS`` argument of each launch, then
+    launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.keys = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.keys.append(kw["KEYS"])
+            return launch(*args, **kw)
+        return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,s_q,page", [(16, 2, 64), (16, 2, 16), (8, 4, 128), (20, 1, 64), (12, 2, 32),
+                                            (16, 1, 64)])
+@pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
+@pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
+@pytest.mark.parametrize("keys", [True, False], ids=["keys-on-M", "64-row"])
+def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, keys, monkeypatch):
+    """The warp-specialised FP8 kernel at up to 32 query rows a request, with both consumers:
+    by default the keys-on-M one (``decode_wgmma_ws64.W64_KEYS_ROWS``: scores ``S^T [keys,
+    rows]``, each warpgroup half the rows), and with that switch at 0 the 64-row one (the
+    rows padded to 64), against mla_ref: h=16 x 2 (pages of 16: each key's page through the
+    block table; of 64: a tile's page a tile ahead), h=8 x 4 tokens (32 rows, mixed query
+    lengths, causal within the request), h=20 and h=12 x 2 (padding rows inside the 32), h=16 x
+    1. Requests, NaN poisoning, ``big_q`` and ``parts`` as in the test above. The kernel's
+    launch says which consumer ran."""
+    import kernels.decode_wgmma_ws64 as dws64
+    monkeypatch.setattr(dws64, "W64_KEYS_ROWS", 32 if keys else 0)
+    spy = _KernelSpy(dws64._decode_ws64_kernel)
+    monkeypatch.setattr(dws64, "_decode_ws64_kernel", spy)
+    spec = ModelSpec(num_heads=heads)
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=64, block_n=64, num_warps=8,
+                                                                          fp8_grouped=False)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 43)
+    assert spy.keys == ([keys] if hopper else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
