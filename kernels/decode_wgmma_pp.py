@@ -63,6 +63,17 @@ before its hand-over, 0.95-1.01x; FP8 through this kernel, each warpgroup dequan
 tile (codes staged in the upper latent half's bytes, then converted in place), correct but
 0.75-0.89x the warp-specialised 64-row kernel, which keeps FP8.
 
+Where the copies bite (``benchmarks/kernel_timeline.py``, ``h100-2026-11-27-fixed-cost.json``):
+a request's first tile pairs are the slowest -- at B=32, L=4k, s_q=1, 9.5, 6.5, 5.8 and 5.1 us
+a pair, then 4.2-4.6 -- because every program's warpgroups copy their first tiles at the same
+moment. That ramp is about 9 us of the 22-25 us by which this kernel's time exceeds its
+tiles' (``decode_us = 22.1 + 2.24 T`` at s_q=1, T tiles a part); the first loads (~8 us) and
+the result's stores (~6) are most of the rest. Asking L2 for each warpgroup's tiles ahead of
+their copies (``cp.async.bulk.prefetch.L2``: the tile after next a row a key, the next one
+after issuing a QK, or the tile after next as one 72 KiB request) left the outputs bit for bit
+and ran 0.79-0.98x (``h100-2026-11-27-pp-l2-prefetch.json``): the prefetches add to the same
+bursts.
+
 Taken by ``decode_split.launch_decode_split`` for the 16-bit 64-row launches that
 ``decode_wgmma.wgmma_plan`` admits and ``decode_wgmma.pp_taken`` gives it (two or more row
 blocks, at least 16 (request, row block) pairs, the ``WGMMA_PP`` switch on); a build failure

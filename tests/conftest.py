@@ -1,5 +1,7 @@
 """Suite-wide setup: interpreter on CPU, `gpu` marker, Hypothesis profiles."""
+import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -54,3 +56,19 @@ def fakes(monkeypatch):
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([TESTS_DIR] + parts))
     monkeypatch.syspath_prepend(TESTS_DIR)
+
+
+@pytest.fixture
+def load_benchmark(monkeypatch):
+    """``load_benchmark(name)``: ``benchmarks/<name>.py`` imported as a module (benchmarks/ is
+    not a package); ``sys.path``, which the scripts extend, is restored afterwards."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+    def load(name):
+        path = os.path.join(TESTS_DIR, "..", "benchmarks", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

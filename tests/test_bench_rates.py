@@ -1,31 +1,13 @@
 """benchmarks/kernel_bench.py's measured ceilings: the best of several trials, all recorded."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import pytest
 
 
-def _load_benchmark(monkeypatch, name):
-    """``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repo root first
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _load_kernel_bench(monkeypatch):
-    return _load_benchmark(monkeypatch, "kernel_bench")
-
-
-def test_ceiling_is_best_of_trials_and_every_trial_is_logged(monkeypatch):
+def test_ceiling_is_best_of_trials_and_every_trial_is_logged(load_benchmark):
     """A ceiling measured low once (clocks not up, a neighbour) would flatter every ratio to
     it: the benchmark keeps the best of its trials, and the json gets all of them."""
-    kb = _load_kernel_bench(monkeypatch)
+    kb = load_benchmark("kernel_bench")
     rates = iter([693.0, 752.0, 748.0])
     assert kb._best_of("matmul_bf16_TFLOPs", lambda: next(rates), 3) == 752.0
     assert kb.RATE_LOG["matmul_bf16_TFLOPs"] == [693.0, 752.0, 748.0]
@@ -36,19 +18,19 @@ def test_ceiling_is_best_of_trials_and_every_trial_is_logged(monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["read_ref_ms", "read_floor_ms"])
-def test_read_reference_refuses_more_bytes_than_its_buffer(monkeypatch, method):
+def test_read_reference_refuses_more_bytes_than_its_buffer(load_benchmark, method):
     """A read reference longer than its buffer would time a shorter read than the case's:
     it must refuse, not clip -- torch's sum and the Triton read floor (which reads the same
     buffer as 32-bit words) alike."""
-    rt = _load_benchmark(monkeypatch, "replay_timing")
+    rt = load_benchmark("replay_timing")
     flush = type("F", (), {"clean": lambda self: None})()
     ref = rt.ReadReference(1000, flush, device="cpu")
     with pytest.raises(ValueError, match="exceeds its buffer"):
         getattr(ref, method)(4000)
 
 
-def test_read_floor_kernel_reads_every_word(monkeypatch):
-    """The floor's kernel (interpreted here) folds every word it is given into its programs'
+def test_read_floor_kernel_reads_every_word(load_benchmark):
+    """The floor's kernel (interpreted on CPU) folds every word it is given into its programs'
     outputs, and none past ``n_words``: the xor of the outputs is the xor of the words, over
     a length that leaves a ragged last block and programs that stride more than once."""
     import functools
@@ -56,11 +38,13 @@ def test_read_floor_kernel_reads_every_word(monkeypatch):
 
     import torch
 
-    rt = _load_benchmark(monkeypatch, "replay_timing")
+    rt = load_benchmark("replay_timing")
     g = torch.Generator().manual_seed(5)
-    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (1000,), generator=g, dtype=torch.int32)
+    # compiled where there is a GPU (the suite interprets kernels only without one)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    words = torch.randint(-2 ** 31, 2 ** 31 - 1, (1000,), generator=g, dtype=torch.int32).to(dev)
     n = 997  # the last 3 words must not be read
-    sink = torch.zeros(3, dtype=torch.int32)
+    sink = torch.zeros(3, dtype=torch.int32, device=dev)
     rt._read_kernel[(3,)](words, sink, n, WORDS=64)
     want = functools.reduce(operator.xor, words[:n].tolist())
     assert functools.reduce(operator.xor, sink.tolist()) == want
@@ -68,12 +52,12 @@ def test_read_floor_kernel_reads_every_word(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_replay_timing_flushes_before_every_timed_run_gpu(monkeypatch):
+def test_replay_timing_flushes_before_every_timed_run_gpu(load_benchmark):
     """Every timed run (and every warm-up run) follows its own flush, so no run starts with
     the previous one's lines in L2."""
     import torch
 
-    rt = _load_benchmark(monkeypatch, "replay_timing")
+    rt = load_benchmark("replay_timing")
     order = []
     x = torch.ones(1 << 20, device="cuda")
     ms = rt.median_replay_ms(lambda: order.append("run") or x.sum(), lambda: order.append("flush"), warmup=3, reps=5)

@@ -1,0 +1,324 @@
+"""Fixed costs of a decode replay: what a small launch pays whatever its work (GPU only).
+
+Three measurements, one json (``--out``):
+
+1. ``scaling``: for each route (kv dtype, heads, MTP tokens) at one batch size, the key
+   length swept: the planner / decode / combine kernels' durations inside a CUDA-graph replay
+   after a clean L2 flush (CUPTI through ``torch.profiler``, medians of ``--reps`` replays),
+   the replay's own median (CUDA events), and the plan's tiles per part ``T`` (the planner's
+   rule, ``kernels/planner.py``). Per route, ``fit``: the least-squares line ``decode_us = a +
+   b T`` over the lengths with ``T >= --fit-min-tiles`` whose parts hold at most one request
+   start (``T`` no more than a request's tiles): ``b`` is a tile's time in a part,
+   ``a`` what the decode kernel costs beyond its tiles (the start of each program, its
+   result's stores, the PDL wait).
+2. ``timeline`` (``kernel_timeline.py``): inside the pp (bf16 h=128) and ws64 (FP8 h=128)
+   kernels, when the plan becomes visible, q and the first tile land, each of the first 16
+   tiles reaches its QK, the loop ends and the result is stored, per program.
+3. ``stores``: one program per SM storing a ``[64, 512]`` fp32 partial (what a split 64-row
+   program writes) from the wgmma accumulator's layout (as ``gluon_parts.store_rows_result``),
+   from a coalesced layout, and through shared memory into the coalesced one; beside them the
+   replay of a graph holding one empty kernel (the floor every replay pays).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from mla_ref import DecodeBatch, ModelSpec  # noqa: E402
+
+from kernels import TritonMLABackend, default_config  # noqa: E402
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from kernels.gluon_parts import wgmma_layout
+except Exception:  # pragma: no cover - a Triton without Gluon
+    gluon = None
+
+DEFAULT_ROUTES = "bf16,16,1;bf16,16,2;fp8,16,1;fp8,16,2;bf16,128,1;bf16,128,2;fp8,128,1;fp8,128,2"
+DEFAULT_LENGTHS = "64,256,512,1024,2048,4096"
+DEFAULT_TIMELINE = "bf16,128,1,32,256;bf16,128,1,32,1024;bf16,128,2,32,1024;fp8,128,1,32,256;fp8,128,1,32,1024;" \
+                   "fp8,128,2,32,1024"
+
+
+def tiles_per_part(batch: int, length: int, block_n: int, num_parts: int, min_tiles: int) -> tuple:
+    """The planner's ``(T, P_eff)`` for ``batch`` requests of ``length`` keys each: ``T =
+    cdiv(total, P0)``, ``P0 = max(1, min(num_parts, total // min_tiles))``, ``P_eff = cdiv(total,
+    T)`` (``kernels/planner.py``); ``(0, 0)`` for no keys."""
+    total = batch * -(-length // block_n)
+    if total == 0:
+        return 0, 0
+    p0 = max(1, min(num_parts, total // min_tiles))
+    t = -(-total // p0)
+    return t, -(-total // t)
+
+
+def fit_line(xs, ys) -> dict:
+    """Least-squares ``y = a + b x`` over the points (at least two distinct ``x``): ``{"a", "b",
+    "max_residual"}`` (the largest ``|y - a - b x|``)."""
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError(f"a line needs two or more distinct x, got {xs}")
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    return {"a": a, "b": b, "max_residual": max(abs(y - a - b * x) for x, y in zip(xs, ys))}
+
+
+def _parse_cases(text: str, width: int) -> list:
+    cases = []
+    for item in filter(None, text.split(";")):
+        parts = item.split(",")
+        if len(parts) != width or parts[0] not in ("bf16", "fp8") or not all(p.isdigit() for p in parts[1:]):
+            raise SystemExit(f"bad case {item!r}: expected kv,{'h,s_q' if width == 3 else 'h,s_q,B,L'} with kv "
+                             f"bf16 or fp8 and positive integers")
+        cases.append((parts[0], *[int(p) for p in parts[1:]]))
+    return cases
+
+
+def _graph_of(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _kernel_medians(g, flush, reps: int) -> dict:
+    """Median CUPTI duration (us) of the planner, decode and combine kernels over ``reps``
+    replays, each after ``flush()``."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush()
+            g.replay()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        for role in ("planner", "decode", "combine"):
+            if role in e.name:
+                per[role].append(e.time_range.end - e.time_range.start)
+                per[role + "_name"] = e.name
+    return {k: (v if k.endswith("_name") else sorted(v)[len(v) // 2]) for k, v in per.items()}
+
+
+class _Case:
+    """One (kv, h, s_q, B, L) launch: a backend built on random distinct pages of the pool."""
+
+    def __init__(self, pool, kv, h, s_q, batch, length, gen):
+        import kernel_bench as kb
+        spec = ModelSpec(num_heads=h)
+        self.cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
+        self.cache = pool.get(kv)
+        pages = -(-length // kb.PAGE)
+        perm = torch.randperm(pool.num_blocks - 1, generator=gen)[:batch * pages] + 1
+        seq = torch.full((batch,), length, dtype=torch.int32)
+        b = DecodeBatch(seq_lens=seq, q_lens=torch.full((batch,), s_q, dtype=torch.int32),
+                        block_table=perm.view(batch, pages).to(torch.int32),
+                        slot_mapping=torch.full((batch, s_q), -1, dtype=torch.int64), page_size=kb.PAGE, next_n=s_q,
+                        pad_to=batch, kv_dtype=kv)
+        self.be = TritonMLABackend(spec, device="cuda", max_batch=batch, capture_sizes=[batch], next_n_max=s_q,
+                                   max_blocks_per_seq=pages, page_size=kb.PAGE, config=self.cfg)
+        self.md = self.be.build(b)
+        self.q = torch.randn(batch, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
+        self.out = torch.empty(batch, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+        self.programs = self.cfg.num_parts * self.cfg.m_blocks(s_q, h)
+
+    def forward(self):
+        self.be.forward(self.q, self.cache, self.md, out=self.out)
+
+
+def run_scaling(pool, routes, batch, lengths, reps, fit_min, flush, gen) -> dict:
+    """Part 1 (module doc): per route ``(kv, h, s_q)`` and length, one row of kernel durations
+    (us) and plan facts; per route the fit of the decode's duration against ``T``. ``pool`` a
+    ``kernel_bench.CachePool``, ``flush`` an ``L2Flush``, ``gen`` the CPU generator that picks
+    each case's pages. Returns ``{"rows": [...], "fit": {"kv,h,s_q": {"a", "b", ...}}}``."""
+    from replay_timing import median_replay_ms
+    rows, fits = [], {}
+    for kv, h, s_q in routes:
+        pts = []
+        for length in lengths:
+            c = _Case(pool, kv, h, s_q, batch, length, gen)
+            g = _graph_of(c.forward)
+            t, p_eff = tiles_per_part(batch, length, c.cfg.block_n, c.cfg.num_parts, c.cfg.min_tiles_per_part)
+            r = {"kv": kv, "h": h, "s_q": s_q, "B": batch, "L": length, "block_n": c.cfg.block_n,
+                 "num_parts": c.cfg.num_parts, "m_blocks": c.cfg.m_blocks(s_q, h), "T": t, "P_eff": p_eff,
+                 "replay_us": median_replay_ms(g.replay, flush.clean, reps=reps) * 1e3}
+            r.update({f"{k}_us" if not k.endswith("_name") else k: v
+                      for k, v in _kernel_medians(g, flush.clean, reps).items()})
+            rows.append(r)
+            # fitted: parts of at least fit_min tiles that hold at most one request start (a
+            # part over many short requests pays each one's start: another line)
+            if t >= fit_min and t <= -(-length // c.cfg.block_n) and r.get("decode_us") is not None:
+                pts.append((t, r["decode_us"]))
+            print(json.dumps(r), flush=True)
+            del g
+        if len({t for t, _ in pts}) >= 2:
+            fits[f"{kv},{h},{s_q}"] = dict(fit_line(*zip(*pts)), points=len(pts))
+    return {"rows": rows, "fit": fits}
+
+
+def run_timeline(pool, cases, reps, flush, gen) -> list:
+    """Part 2: for each ``(kv, h, s_q, B, L)`` (64-row launches), ``reps`` flushed replays of
+    the instrumented kernel; the last one's ``kernel_timeline.summarize`` and every replay's
+    latest result store (us after the first program's entry)."""
+    import kernel_timeline as kt
+    out = []
+    for kv, h, s_q, batch, length in cases:
+        c = _Case(pool, kv, h, s_q, batch, length, gen)
+        ts = torch.zeros(c.programs, kt.SLOTS, dtype=torch.int64, device="cuda")
+        restore = kt.install(ts)
+        try:
+            g = _graph_of(c.forward)
+            runs = []
+            for _ in range(reps):
+                ts.zero_()
+                flush.clean()
+                g.replay()
+                torch.cuda.synchronize()
+                runs.append(ts.clone())
+        finally:
+            restore()
+        kernel = "ws64" if kv == "fp8" else "pp"
+        last = kt.summarize(runs[-1], kt.EVENTS[kernel])
+        stored = [kt.summarize(r, {6: "stored"}) for r in runs]
+        r = {"case": [kv, h, s_q, batch, length], "kernel": kernel, "last_replay": last,
+             "stored_max_each_replay": [s[next(k for k in s if k.startswith("6:"))][2] for s in stored]}
+        out.append(r)
+        print(json.dumps(r), flush=True)
+        del g
+    return out
+
+
+if gluon is not None:
+    @gluon.jit
+    def _partial_store_kernel(out_ptr, MODE: gl.constexpr):
+        # one [64, 512] fp32 block a program: MODE 0 from the 8-warp wgmma accumulator layout,
+        # 1 from a coalesced one (a warp 512 contiguous bytes), 2 through shared memory into it
+        M: gl.constexpr = 64
+        N: gl.constexpr = 512
+        ACC_L: gl.constexpr = wgmma_layout([4, 2], 256)
+        BL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[8, 1],
+                                            order=[1, 0])
+        pid = gl.program_id(0)
+        base = out_ptr + pid.to(gl.int64) * (M * N)
+        rb = gl.arange(0, M, layout=gl.SliceLayout(1, BL))
+        cb = gl.arange(0, N, layout=gl.SliceLayout(0, BL))
+        if MODE == 1:
+            gl.store(base + rb[:, None] * N + cb[None, :], gl.full([M, N], 1.0, gl.float32, BL) * pid.to(gl.float32))
+        else:
+            v = gl.full([M, N], 1.0, gl.float32, ACC_L) * pid.to(gl.float32)
+            if MODE == 0:
+                ra = gl.arange(0, M, layout=gl.SliceLayout(1, ACC_L))
+                ca = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
+                gl.store(base + ra[:, None] * N + ca[None, :], v)
+            else:
+                SH: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+                s = gl.allocate_shared_memory(gl.float32, [M, N], SH)
+                s.store(v)
+                gl.thread_barrier()
+                gl.store(base + rb[:, None] * N + cb[None, :], s.load(BL))
+
+    @gluon.jit
+    def _empty_kernel(x_ptr):
+        pass
+
+
+def run_stores(flush, reps) -> dict:
+    """Part 3: replay medians (us) of a graph holding one empty kernel and of one program per
+    SM (and a quarter, and one) storing a ``[64, 512]`` fp32 block in each layout; every store
+    is checked against the values it must write."""
+    from replay_timing import median_replay_ms
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.zeros(1, device="cuda")
+    res = {"empty_graph_us": median_replay_ms(_graph_of(lambda: _empty_kernel[(sms,)](x)).replay, flush.clean,
+                                              reps=reps) * 1e3, "rows": []}
+    buf = torch.empty(sms * 64 * 512, dtype=torch.float32, device="cuda")
+    for programs in (1, sms // 4, sms):
+        for mode, what in ((0, "wgmma layout"), (1, "coalesced"), (2, "via shared memory")):
+            buf.fill_(-1.0)
+            g = _graph_of(lambda: _partial_store_kernel[(programs,)](buf, MODE=mode, num_warps=8))
+            t = median_replay_ms(g.replay, flush.clean, reps=reps) * 1e3
+            want = torch.arange(programs, device="cuda", dtype=torch.float32).repeat_interleave(64 * 512)
+            if not torch.equal(buf[:programs * 64 * 512], want):
+                raise RuntimeError(f"store kernel mode {mode} wrote wrong values")
+            r = {"programs": programs, "layout": what, "MB": programs * 64 * 512 * 4 / 1e6, "replay_us": t}
+            res["rows"].append(r)
+            print(json.dumps(r), flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    """The command line (``--help``); returns the exit status (2 without a CUDA GPU or Gluon)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>-<date>-fixed-cost.json)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated key lengths (multiples of 64)")
+    p.add_argument("--routes", default=DEFAULT_ROUTES, help="kv,h,s_q;... (kv bf16 or fp8)")
+    p.add_argument("--timeline", default=DEFAULT_TIMELINE, help="kv,h,s_q,B,L;... for the in-kernel timeline "
+                   "(h=128: the pp and ws64 kernels); empty to skip")
+    p.add_argument("--fit-min-tiles", type=int, default=4)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--no-stores", action="store_true")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fixed_cost_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if gluon is None:
+        print("fixed_cost_bench needs Triton's Gluon (triton >= 3.5)", file=sys.stderr)
+        return 2
+    try:
+        lengths = [int(x) for x in a.lengths.split(",") if x]
+    except ValueError:
+        raise SystemExit(f"bad --lengths {a.lengths!r}: comma-separated integers")
+    if a.batch < 1 or not lengths or any(x < 64 or x % 64 for x in lengths):
+        raise SystemExit("--batch must be >= 1 and every length a positive multiple of 64")
+    routes = _parse_cases(a.routes, 3)
+    timeline = _parse_cases(a.timeline, 5)
+    for kv, h, s_q, _, _ in timeline:
+        if h * s_q <= 32:
+            raise SystemExit(f"timeline case {kv},{h},{s_q}: only the 64-row kernels (more than 32 query rows) "
+                             f"are instrumented")
+    import kernel_bench as kb
+    from replay_timing import L2Flush
+    torch.manual_seed(0)  # q and the caches
+    gen = torch.Generator().manual_seed(0)  # the pages each case takes
+    need = max([a.batch * max(lengths)] + [b * length for _, _, _, b, length in timeline])
+    pool = kb.CachePool(ModelSpec(), need + 4096)
+    flush = L2Flush()
+    res = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "timing": "CUDA-graph replays of TritonMLABackend.forward, each after a 256 MB read (clean L2 flush); "
+                     "kernel durations from CUPTI (torch.profiler), medians",
+           "scaling": run_scaling(pool, routes, a.batch, lengths, a.reps, a.fit_min_tiles, flush, gen)}
+    if timeline:
+        res["timeline"] = run_timeline(pool, timeline, 7, flush, gen)
+    if not a.no_stores:
+        res["stores"] = run_stores(flush, 100)
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                f"{torch.cuda.get_device_name().split()[1].lower()}-{res['date']}-fixed-cost.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    for route, fit in res["scaling"]["fit"].items():
+        print(f"{route:>12}: decode = {fit['a']:.1f} us + {fit['b']:.2f} us x tiles per part "
+              f"(max residual {fit['max_residual']:.1f} us, {fit['points']} points)")
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
