@@ -92,6 +92,15 @@ the previous tile's group has been dequantised out of its place; scale buffers d
 correct but 0.89x at B=128, L=16k -- its extra shared traffic (rope copied twice) costs more
 than the copy latency it hides.
 
+At h=128 the producer sets the pace from the first tile: 2.8-3.5 us a tile at B=32 (copy,
+then conversion, one tile at a time; ``benchmarks/kernel_timeline.py``,
+``h100-2026-11-27-fixed-cost.json``), where the consumer alone would take about 2.5. Two
+producers of 2 warps each, taking alternate tiles with a buffer each (so that one converts
+while the other's copies are in flight; each scale group converted in two halves of the keys
+to fit 64 registers), were bit for bit the same and 0.78-0.87x over FP8 h=128, s_q 1-2, B 1-128,
+L 1k-16k (``h100-2026-11-27-ws64-two-producers.json``): the conversion's throughput, not its
+latency, is what two warps a tile lack.
+
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
 ``config.default_config`` gives FP8 64-row blocks of 64-key tiles with 8 warps on Hopper at
