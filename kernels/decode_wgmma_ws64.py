@@ -99,7 +99,12 @@ producers of 2 warps each, taking alternate tiles with a buffer each (so that on
 while the other's copies are in flight; each scale group converted in two halves of the keys
 to fit 64 registers), were bit for bit the same and 0.78-0.87x over FP8 h=128, s_q 1-2, B 1-128,
 L 1k-16k (``h100-2026-11-27-ws64-two-producers.json``): the conversion's throughput, not its
-latency, is what two warps a tile lack.
+latency, is what two warps a tile lack. Nor does skipping the staging help: the producer
+loading each tile's codes straight into registers (groups 0-1 before the buffer frees, the
+rope and scales still by ``cp.async``, the bf16 tile stored once) was bit for bit the same and
+0.64-0.84x (0.76-0.91x with 72 producer registers) over FP8 h=128 and h=16 x 2
+(``h100-2026-11-27-ws64-codes-in-registers.json``): ``cp.async`` keeps many more bytes in flight
+than 64 registers a thread can.
 
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
