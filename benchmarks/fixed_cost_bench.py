@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mla_ref import DecodeBatch, ModelSpec  # noqa: E402
+from mla_ref import ModelSpec  # noqa: E402
 
-from kernels import TritonMLABackend, default_config  # noqa: E402
+from kernels import default_config  # noqa: E402
 
 try:
     from triton.experimental import gluon
@@ -117,23 +117,14 @@ def _kernel_medians(g, flush, reps: int) -> dict:
 
 
 class _Case:
-    """One (kv, h, s_q, B, L) launch: a backend built on random distinct pages of the pool."""
+    """One (kv, h, s_q, B, L) launch at the default config: ``kernel_bench.build_case``'s backend
+    with a random bf16 q and an output buffer."""
 
     def __init__(self, pool, kv, h, s_q, batch, length, gen):
         import kernel_bench as kb
         spec = ModelSpec(num_heads=h)
         self.cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
-        self.cache = pool.get(kv)
-        pages = -(-length // kb.PAGE)
-        perm = torch.randperm(pool.num_blocks - 1, generator=gen)[:batch * pages] + 1
-        seq = torch.full((batch,), length, dtype=torch.int32)
-        b = DecodeBatch(seq_lens=seq, q_lens=torch.full((batch,), s_q, dtype=torch.int32),
-                        block_table=perm.view(batch, pages).to(torch.int32),
-                        slot_mapping=torch.full((batch, s_q), -1, dtype=torch.int64), page_size=kb.PAGE, next_n=s_q,
-                        pad_to=batch, kv_dtype=kv)
-        self.be = TritonMLABackend(spec, device="cuda", max_batch=batch, capture_sizes=[batch], next_n_max=s_q,
-                                   max_blocks_per_seq=pages, page_size=kb.PAGE, config=self.cfg)
-        self.md = self.be.build(b)
+        self.be, self.md, self.cache = kb.build_case(pool, h, s_q, batch, length, kv, self.cfg, gen)
         self.q = torch.randn(batch, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty(batch, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
         self.programs = self.cfg.num_parts * self.cfg.m_blocks(s_q, h)

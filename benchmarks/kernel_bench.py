@@ -153,10 +153,11 @@ def run_case(spec, pool, h, s_q, B, L, kv, config, gen):
     return m["ms"], m["io_bytes"], m["flops"]
 
 
-def measure_case(spec, pool, h, s_q, B, L, kv, config, gen) -> dict:
-    """One dense case: B requests of L cached tokens (random distinct pages of ``pool``'s
-    cache), h heads, s_q query tokens each. Returns ``ms`` (clean-flush replay median),
-    ``io_bytes`` (KV + q + out), ``flops``, ``kv_bytes`` and ``time_us_do_bench``."""
+def build_case(pool, h, s_q, B, L, kv, config, gen):
+    """A dense case's backend, built: B requests of L cached tokens each (L a multiple of
+    ``PAGE``) on random distinct pages of ``pool``'s ``kv`` cache (``gen`` picks them), h heads,
+    s_q query tokens each, ``config`` its ``DecodeConfig``. Returns ``(backend, metadata,
+    cache)``."""
     spec_h = ModelSpec(num_heads=h)
     cache = pool.get(kv)
     pages = L // PAGE
@@ -169,7 +170,15 @@ def measure_case(spec, pool, h, s_q, B, L, kv, config, gen) -> dict:
                         next_n=s_q, pad_to=B, kv_dtype=kv)
     be = TritonMLABackend(spec_h, device="cuda", max_batch=B, capture_sizes=[B], next_n_max=s_q,
                           max_blocks_per_seq=pages, page_size=PAGE, config=config)
-    q, out, t_ms, t_db = _time_graph_replay(be, be.build(batch), cache, spec, B, s_q, h)
+    return be, be.build(batch), cache
+
+
+def measure_case(spec, pool, h, s_q, B, L, kv, config, gen) -> dict:
+    """One dense case: B requests of L cached tokens (random distinct pages of ``pool``'s
+    cache), h heads, s_q query tokens each. Returns ``ms`` (clean-flush replay median),
+    ``io_bytes`` (KV + q + out), ``flops``, ``kv_bytes`` and ``time_us_do_bench``."""
+    be, md, cache = build_case(pool, h, s_q, B, L, kv, config, gen)
+    q, out, t_ms, t_db = _time_graph_replay(be, md, cache, spec, B, s_q, h)
     kv_bytes = B * L * BYTES_PER_TOKEN[kv]
     io_bytes = kv_bytes + q.numel() * 2 + out.numel() * 2
     flops = 2.0 * B * s_q * h * L * (spec.d_qk + spec.kv_lora_rank)
