@@ -18,11 +18,17 @@ Three measurements, one json (``--out``):
    program writes) from the wgmma accumulator's layout (as ``gluon_parts.store_rows_result``),
    from a coalesced layout, and through shared memory into the coalesced one; beside them the
    replay of a graph holding one empty kernel (the floor every replay pays).
+4. ``bounds`` (``--bounds``): for each case, what merging split requests costs, as upper
+   bounds on what doing it inside the decode could save (timing only; the results of split
+   requests are wrong in the last two): the replay as shipped; the same graph timed by
+   events recorded inside it (no graph-launch latency); without the combine kernel; and
+   without the decode's partial stores (a partial buffer of no rows) as well.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -47,6 +53,9 @@ except Exception:  # pragma: no cover - a Triton without Gluon
 
 DEFAULT_ROUTES = "bf16,16,1;bf16,16,2;fp8,16,1;fp8,16,2;bf16,128,1;bf16,128,2;fp8,128,1;fp8,128,2"
 DEFAULT_LENGTHS = "64,256,512,1024,2048,4096"
+DEFAULT_BOUNDS = "bf16,128,1,32,1024;fp8,128,1,32,1024;bf16,128,2,32,1024;fp8,128,2,32,1024;fp8,128,1,32,4096;" \
+                 "bf16,128,1,128,1024;bf16,16,1,32,1024;fp8,16,1,32,1024;bf16,16,1,8,16384;fp8,16,1,8,16384;" \
+                 "fp8,16,2,8,16384;fp8,16,2,32,4096"
 DEFAULT_TIMELINE = "bf16,128,1,32,256;bf16,128,1,32,1024;bf16,128,2,32,1024;fp8,128,1,32,256;fp8,128,1,32,1024;" \
                    "fp8,128,2,32,1024"
 
@@ -253,6 +262,83 @@ def run_stores(flush, reps) -> dict:
     return res
 
 
+#: the four ways ``run_bounds`` times a case (the module doc, part 4)
+BOUND_MODES = ("shipped", "in_graph", "no_combine", "no_partials_no_combine")
+
+
+@contextlib.contextmanager
+def without_merge(combine: bool, partials: bool):
+    """Within the block, ``kernels.ops`` launches no combine kernel (``combine``) and hands the
+    decode partial buffers of no rows (``partials``: the kernels store a partial only below that
+    capacity, so split pieces store nothing); restored on exit, also after an error. Timing only:
+    split requests' ``out`` / ``lse`` are then never written."""
+    import kernels.ops as ops
+    dec, comb = ops.launch_decode_split, ops.launch_combine
+
+    def decode_without_partials(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info,
+                                num_splits, split_offsets, out, lse, partial_o, partial_lse, **kw):
+        return dec(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
+                   split_offsets, out, lse, partial_o[:0], partial_lse[:0], **kw)
+
+    try:
+        if combine:
+            ops.launch_combine = lambda *args, **kw: None
+        if partials:
+            ops.launch_decode_split = decode_without_partials
+        yield
+    finally:
+        ops.launch_decode_split, ops.launch_combine = dec, comb
+
+
+def _in_graph_ms(fn, flush, reps: int) -> float:
+    """Median time (ms) between two CUDA events recorded inside a graph around ``fn``, over
+    ``reps`` replays each after ``flush()`` (10 more untimed first): the graph's work without
+    the latency of launching it."""
+    e0, e1 = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        e0.record()
+        fn()
+        e1.record()
+    times = []
+    for i in range(10 + reps):
+        flush()
+        g.replay()
+        torch.cuda.synchronize()
+        if i >= 10:
+            times.append(e0.elapsed_time(e1))
+    return sorted(times)[len(times) // 2]
+
+
+def run_bounds(pool, cases, reps, flush, gen) -> list:
+    """Part 4: per ``(kv, h, s_q, B, L)``, the median (us) of each of ``BOUND_MODES``, each
+    timed twice in turn (the order shipped, in-graph, no combine, no partials, then again),
+    with the plan's split requests and pieces."""
+    from replay_timing import median_replay_ms
+    out = []
+    for kv, h, s_q, batch, length in cases:
+        c = _Case(pool, kv, h, s_q, batch, length, gen)
+        c.forward()
+        nsplit = c.md.num_splits[:batch].cpu()
+        r = {"case": [kv, h, s_q, batch, length], "split_requests": int((nsplit > 1).sum()),
+             "pieces_of_split_requests": int(nsplit[nsplit > 1].sum())}
+        for _ in range(2):
+            for mode in BOUND_MODES:
+                with without_merge(combine=mode.startswith("no_"), partials=mode == "no_partials_no_combine"):
+                    if mode == "in_graph":
+                        t = _in_graph_ms(c.forward, flush.clean, reps)
+                    else:
+                        g = _graph_of(c.forward)
+                        t = median_replay_ms(g.replay, flush.clean, reps=reps)
+                        del g
+                r.setdefault(mode + "_us", []).append(t * 1e3)
+        out.append(r)
+        print(json.dumps(r), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     """The command line (``--help``); returns the exit status (2 without a CUDA GPU or Gluon)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -265,6 +351,8 @@ def main(argv=None) -> int:
     p.add_argument("--fit-min-tiles", type=int, default=4)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--no-stores", action="store_true")
+    p.add_argument("--bounds", default=DEFAULT_BOUNDS, help="kv,h,s_q,B,L;... timed with and without the merge of "
+                   "split requests (part 4); empty to skip")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("fixed_cost_bench needs a CUDA GPU", file=sys.stderr)
@@ -280,6 +368,7 @@ def main(argv=None) -> int:
         raise SystemExit("--batch must be >= 1 and every length a positive multiple of 64")
     routes = _parse_cases(a.routes, 3)
     timeline = _parse_cases(a.timeline, 5)
+    bounds = _parse_cases(a.bounds, 5)
     for kv, h, s_q, _, _ in timeline:
         if h * s_q <= 32:
             raise SystemExit(f"timeline case {kv},{h},{s_q}: only the 64-row kernels (more than 32 query rows) "
@@ -288,7 +377,7 @@ def main(argv=None) -> int:
     from replay_timing import L2Flush
     torch.manual_seed(0)  # q and the caches
     gen = torch.Generator().manual_seed(0)  # the pages each case takes
-    need = max([a.batch * max(lengths)] + [b * length for _, _, _, b, length in timeline])
+    need = max([a.batch * max(lengths)] + [b * length for _, _, _, b, length in timeline + bounds])
     pool = kb.CachePool(ModelSpec(), need + 4096)
     flush = L2Flush()
     res = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
@@ -300,6 +389,8 @@ def main(argv=None) -> int:
         res["timeline"] = run_timeline(pool, timeline, 7, flush, gen)
     if not a.no_stores:
         res["stores"] = run_stores(flush, 100)
+    if bounds:
+        res["bounds"] = run_bounds(pool, bounds, 60, flush, gen)
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                 f"{torch.cuda.get_device_name().split()[1].lower()}-{res['date']}-fixed-cost.json")
     with open(out, "w") as f:
@@ -307,6 +398,10 @@ def main(argv=None) -> int:
     for route, fit in res["scaling"]["fit"].items():
         print(f"{route:>12}: decode = {fit['a']:.1f} us + {fit['b']:.2f} us x tiles per part "
               f"(max residual {fit['max_residual']:.1f} us, {fit['points']} points)")
+    for r in res.get("bounds", []):
+        med = {m: sorted(r[m + "_us"])[0] for m in BOUND_MODES}
+        print(f"{','.join(map(str, r['case'])):>22}: " + ", ".join(f"{m} {v:.1f}" for m, v in med.items())
+              + f" us (best of two; {r['split_requests']} split requests)")
     print("wrote", out)
     return 0
 

@@ -84,13 +84,14 @@ Where the time goes at h=16 s_q=2 (``h100-2026-11-26-ws-ablations.json``, B=128,
 consumer): the producer alone 601 us, the consumer alone 603, together 782 (the read floor of
 those bytes: 446). Nsight Compute (``h100-2026-11-26-ncu-ws-source.json``, B=128, L=4k): the
 L1/shared pipe is the busiest unit (74%), DRAM at 42%, issue slots 35% busy; the producer's
-``cp.async`` writes into the staging half show 2.6x their ideal wavefronts. Tried at 32 rows
-and not kept (``-ws64-keys.json``): with the keys-on-M consumer's smaller register need, an
-8-warp producer (80 registers) 0.95x; a producer staging each tile in the 40 KiB that the
-32-row q frees (codes, scales and rope, a scale group at a time, each group copied as soon as
-the previous tile's group has been dequantised out of its place; scale buffers dropped),
-correct but 0.89x at B=128, L=16k -- its extra shared traffic (rope copied twice) costs more
-than the copy latency it hides.
+``cp.async`` writes into the staging half show 2.6x their ideal wavefronts. Tried at 32 rows and
+not kept (``-ws64-keys.json``): with the keys-on-M consumer's smaller register need, an 8-warp
+producer (80 registers) 0.95x, at 64 registers 0.96-0.99x, and 4 warps at 128 registers (no
+spills) 0.98x, all bit for bit (``h100-2026-11-27-ws64-keys-producer-split.json``); a producer
+staging each tile in the 40 KiB that the 32-row q frees (codes, scales and rope, a scale group
+at a time, each group copied as soon as the previous tile's group has been dequantised out of
+its place; scale buffers dropped), correct but 0.89x at B=128, L=16k -- its extra shared traffic
+(rope copied twice) costs more than the copy latency it hides.
 
 At h=128 the producer sets the pace from the first tile: 2.8-3.5 us a tile at B=32 (copy,
 then conversion, one tile at a time; ``benchmarks/kernel_timeline.py``,

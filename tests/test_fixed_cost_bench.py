@@ -120,3 +120,68 @@ def test_timeline_events_are_ordered_gpu(load_benchmark):
         for k in range(1, cad.shape[1]):
             seen = cad[:, k] > 0
             assert bool((cad[seen, k - 1] > 0).all() and (cad[seen, k - 1] <= cad[seen, k]).all()), (kernel, k)
+
+
+def test_without_merge_drops_exactly_the_merge_and_restores(load_benchmark, monkeypatch):
+    """The bounds' patch: the decode gets every argument unchanged but partial buffers of no
+    rows (so it stores no partial), the combine is not launched, and both launchers are back
+    afterwards -- also when the block raises."""
+    fc = load_benchmark("fixed_cost_bench")
+    import kernels.ops as ops
+    seen = []
+    monkeypatch.setattr(ops, "launch_decode_split", lambda *a, **k: seen.append(("decode", a, k)))
+    monkeypatch.setattr(ops, "launch_combine", lambda *a, **k: seen.append(("combine", a, k)))
+    dec, comb = ops.launch_decode_split, ops.launch_combine
+    args = [torch.full((1,), float(i)) for i in range(11)] + [torch.zeros(5, 2, 3), torch.zeros(5, 2)]
+    with fc.without_merge(combine=True, partials=True):
+        ops.launch_decode_split(*args, softmax_scale=0.5, block_m=16)
+        ops.launch_combine("p", "l")
+    assert [s[0] for s in seen] == ["decode"]
+    _, a, k = seen[0]
+    assert all(x is y for x, y in zip(a[:11], args[:11])) and len(a) == 13
+    assert a[11].shape == (0, 2, 3) and a[12].shape == (0, 2)
+    assert k == {"softmax_scale": 0.5, "block_m": 16}
+    assert ops.launch_decode_split is dec and ops.launch_combine is comb
+    seen.clear()
+    with fc.without_merge(combine=True, partials=False):
+        ops.launch_decode_split(*args)
+        ops.launch_combine("p", "l")
+    assert [s[0] for s in seen] == ["decode"] and seen[0][1][11] is args[11]
+    with pytest.raises(RuntimeError, match="inside"):
+        with fc.without_merge(combine=True, partials=True):
+            raise RuntimeError("inside")
+    assert ops.launch_decode_split is dec and ops.launch_combine is comb
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv,h,s_q", [("fp8", 16, 1), ("fp8", 16, 2), ("bf16", 16, 1), ("fp8", 128, 1),
+                                      ("bf16", 128, 1)])
+def test_without_merge_leaves_split_rows_unwritten_and_the_rest_as_shipped_gpu(load_benchmark, kv, h, s_q):
+    """On the GPU, for each route's kernel: with neither partials nor combine, a batch whose every
+    request is split (B=2, L=2048) keeps the NaN its output was filled with, where the shipped
+    launch writes it; a batch that the plan does not split (B=128, L=128: parts of whole
+    requests) gets the shipped launch's output bit for bit. So the bounds remove the merge of
+    split requests and nothing else."""
+    fc = load_benchmark("fixed_cost_bench")
+    kb = load_benchmark("kernel_bench")
+    from mla_ref import ModelSpec
+    pool = kb.CachePool(ModelSpec(), 128 * 128 + 4096)
+    gen = torch.Generator().manual_seed(0)
+    for batch, length, split in ((2, 2048, True), (128, 128, False)):
+        torch.manual_seed(2)
+        c = fc._Case(pool, kv, h, s_q, batch, length, gen)
+        c.out.fill_(float("nan"))
+        c.forward()
+        shipped = c.out.clone()
+        nsplit = c.md.num_splits[:batch].cpu()
+        assert bool((nsplit > 1).all()) if split else bool((nsplit == 1).all()), nsplit
+        assert not shipped.isnan().any()
+        for partials in (False, True):
+            c.out.fill_(float("nan"))
+            with fc.without_merge(combine=True, partials=partials):
+                c.forward()
+            torch.cuda.synchronize()
+            if split:
+                assert bool(c.out.isnan().all()), (kv, h, s_q, partials)
+            else:
+                assert torch.equal(c.out, shipped), (kv, h, s_q, partials)
