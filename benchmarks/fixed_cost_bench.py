@@ -1,6 +1,6 @@
 """Fixed costs of a decode replay: what a small launch pays whatever its work (GPU only).
 
-Three measurements, one json (``--out``):
+Four measurements, one json (``--out``):
 
 1. ``scaling``: for each route (kv dtype, heads, MTP tokens) at one batch size, the key
    length swept: the planner / decode / combine kernels' durations inside a CUDA-graph replay
