@@ -15,14 +15,19 @@ keys in 64-key tiles (the kernels' online softmax, tile by tile):
   fp16, group scales on the four group dots' results, ``P^T * scale_g * 2**8`` in fp16, fp32
   accumulation;
 - ``fp8_dots``: q times a power of two into e4m3's range then split hi + lo; each group's
-  ``P * scale_g`` times a power of two (per tile and group) split hi + lo; every dot an e4m3
-  product summed in chunks of 32 (one wgmma's K) into an accumulator that keeps
-  ``--acc-bits`` mantissa bits (Hopper's FP8 accumulation keeps about 14, DeepSeek-V3
-  report, section 3.3.2), the online softmax's rescales in fp32.
+  ``P * scale_g`` times a power of two (per tile and group) split hi + lo; every dot's e4m3
+  products summed 32 at a time (one wgmma's K) in one of three ways (``--modes``,
+  ``narrow_dot``): ``exact``; ``tensor_core``, each chunk's products and the running
+  accumulator aligned to the largest of them and cut ``--bits`` bits below it, as Hopper's FP8
+  tensor cores add (``probe_accumulation`` measures 13 bits on an H200, within a chunk and
+  across chunks alike; DeepSeek-V3's report, section 3.3.2, says about 14); ``promoted``, each
+  chunk's products so, but their sum added to an fp32 accumulator outside the tensor cores.
+  The online softmax's rescales are fp32.
 
-Output: per distribution of the inputs and accumulator width, each path's worst error against the reference as the
-GPU tests measure it (``|out - ref| / (atol + rtol |ref|)`` with bf16's tolerances,
-``tests/kernels_cases.TOL_GPU``: a value <= 1 passes) and its largest absolute error.
+Output: per input distribution and summing mode, each path's worst error against the
+reference as the GPU tests measure it (``|out - ref| / (atol + rtol |ref|)`` with bf16's
+tolerances, ``tests/kernels_cases.TOL_GPU``: a value <= 1 passes) and its largest absolute
+error; with ``--probe`` (GPU), the probe's measurement.
 """
 from __future__ import annotations
 
@@ -66,22 +71,41 @@ def split_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x`` (fp32) with its mantissa cut to ``bits`` explicit bits (toward zero), as a
-    narrow accumulator keeps a sum; ``bits >= 23`` returns ``x``."""
-    if bits >= 23:
-        return x
-    mask = ~((1 << (23 - bits)) - 1) & 0xFFFFFFFF
-    return (x.view(torch.int32) & torch.tensor(mask, dtype=torch.int64).to(torch.int32)).view(torch.float32)
+#: the ways ``narrow_dot`` sums its products (module doc)
+MODES = ("exact", "tensor_core", "promoted")
 
 
-def narrow_dot(a: torch.Tensor, b: torch.Tensor, bits: int, chunk: int = 32) -> torch.Tensor:
-    """``a @ b`` (fp32 ``[M, K]`` x ``[K, N]`` of exactly representable products) summed ``chunk``
-    of K at a time, each partial sum exact, the running total kept to ``bits`` mantissa bits."""
+def align_truncate(terms: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each of ``terms`` (float64 ``[..., T]``: the addends of one sum along the last axis) cut
+    toward zero to a multiple of ``2**(e - bits)``, ``e`` the exponent of the largest ``|term|``
+    of its sum: an adder that aligns its addends to the largest and keeps ``bits`` bits below its
+    leading one (what ``probe_accumulation`` measures, 13 on Hopper). Zeros stay zero."""
+    big = terms.abs().amax(dim=-1, keepdim=True)
+    e = torch.floor(torch.log2(torch.where(big > 0, big, torch.ones_like(big))))
+    step = torch.exp2(e - bits)
+    return torch.trunc(terms / step) * step
+
+
+def narrow_dot(a: torch.Tensor, b: torch.Tensor, mode: str, bits: int = 13, chunk: int = 32) -> torch.Tensor:
+    """``a @ b`` (fp32 ``[M, K]`` x ``[K, N]`` whose products are exact, as e4m3 x e4m3 are) summed
+    ``chunk`` of K at a time (one wgmma's K) into an fp32 ``[M, N]`` accumulator. ``mode``:
+    ``exact`` every chunk's sum exact, then added in fp32; ``tensor_core`` each chunk's products
+    and the running accumulator summed together by ``align_truncate``'s adder (no promotion);
+    ``promoted`` each chunk's products summed by that adder alone and the sum added to the
+    accumulator in fp32 (a fresh accumulator a chunk, as DeepSeek-V3's FP8 GEMMs promote)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
     for k0 in range(0, a.shape[1], chunk):
-        part = (a[:, k0:k0 + chunk].double() @ b[k0:k0 + chunk].double()).float()
-        acc = round_mantissa(acc + part, bits)
+        prods = a[:, k0:k0 + chunk, None].double() * b[None, k0:k0 + chunk, :].double()  # [M, C, N]
+        prods = prods.transpose(1, 2)  # [M, N, C]: one sum per output element on the last axis
+        if mode == "exact":
+            acc = acc + prods.sum(dim=-1).float()
+        elif mode == "promoted":
+            acc = acc + align_truncate(prods, bits).sum(dim=-1).float()
+        else:
+            terms = torch.cat([prods, acc.double()[..., None]], dim=-1)
+            acc = align_truncate(terms, bits).sum(dim=-1).float()
     return acc
 
 
@@ -104,7 +128,7 @@ def make_inputs(h: int, length: int, dist: str, gen: torch.Generator, spec: Mode
     return q.to(torch.bfloat16), quantize_kv_fp8(lat, rope, spec=spec)
 
 
-def run_paths(q: torch.Tensor, packed: torch.Tensor, spec: ModelSpec, acc_bits: int) -> dict:
+def run_paths(q: torch.Tensor, packed: torch.Tensor, spec: ModelSpec, mode: str, bits: int = 13) -> dict:
     """The three paths' outputs (module doc) for q bf16 ``[h, 576]`` over tokens uint8
     ``[L, 656]``: ``{"reference": fp64 [h, 512], "shipped": fp32, "fp8_dots": fp32}``."""
     codes, scales, rope = split_fp8_tokens(packed, spec=spec)
@@ -140,7 +164,7 @@ def run_paths(q: torch.Tensor, packed: torch.Tensor, spec: ModelSpec, acc_bits: 
                 else:
                     hi = q_hi[:, g * group:(g + 1) * group].float()
                     lo = q_lo[:, g * group:(g + 1) * group].float()
-                    dot = (narrow_dot(hi, cg.T, acc_bits) + narrow_dot(lo, cg.T, acc_bits)) / q8[:, None]
+                    dot = (narrow_dot(hi, cg.T, mode, bits) + narrow_dot(lo, cg.T, mode, bits)) / q8[:, None]
                 s_t = s_t + dot * st[:, g][None, :]
             s_t = s_t * qs
             m_new = torch.maximum(m, s_t.max(dim=1).values)
@@ -156,7 +180,7 @@ def run_paths(q: torch.Tensor, packed: torch.Tensor, spec: ModelSpec, acc_bits: 
                 else:
                     f = pow2_under(w.abs().amax(), 2.0 ** 8)
                     hi, lo = split_e4m3(w * f)
-                    pv = (narrow_dot(hi.float(), cg, acc_bits) + narrow_dot(lo.float(), cg, acc_bits)) / f
+                    pv = (narrow_dot(hi.float(), cg, mode, bits) + narrow_dot(lo.float(), cg, mode, bits)) / f
                 parts.append(pv)
             acc = acc * alpha[:, None] + torch.cat(parts, dim=1)
             m = m_new
@@ -173,6 +197,33 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"tol_ratio": float((d / (atol + rtol * ref.abs())).max()), "max_abs": float(d.max())}
 
 
+def probe_accumulation(device: str = "cuda", fast_accum: bool = True) -> dict:
+    """How much of a small product an FP8 GEMM on this GPU keeps next to a large one
+    (``torch._scaled_mm``, e4m3 x e4m3 into fp32, ``use_fast_accum=fast_accum``: the tensor
+    cores' own accumulation when True). Row ``i`` of A pairs the product ``16 * 16 = 2**8`` with
+    ``2**-e * 2**-6`` (``e = i - 6``: ``2**(8 - r)``, ``r = 8 + i`` bits below it), in the same
+    32-wide chunk of K (``within``) or in the next one (``across``). Returns ``{"within": [[r,
+    kept], ...], "across": [...]}``, ``kept`` the share of the small product that reached the
+    fp32 result (1.0 all of it, 0.0 none; fp32 itself holds it to ``r = 23``)."""
+    rows, n, k = 16, 16, 64
+    one = torch.ones((), device=device)
+    res = {}
+    for where, ks in (("within", 1), ("across", 32)):
+        a = torch.zeros(rows, k)
+        b = torch.zeros(k, n)
+        a[:, 0], b[0, :] = 16.0, 16.0
+        a[:, ks] = torch.tensor([2.0 ** -(i - 6) for i in range(rows)])
+        b[ks, :] = 2.0 ** -6
+        a8, b8 = a.to(E4M3), b.to(E4M3)
+        # mat2 column-major, as the FP8 GEMM requires
+        out = torch._scaled_mm(a8.to(device), b8.to(device).t().contiguous().t(), scale_a=one, scale_b=one,
+                               out_dtype=torch.float32, use_fast_accum=fast_accum).cpu()
+        big = a8.float()[:, 0] * b8.float()[0, 0]
+        small = a8.float()[:, ks] * b8.float()[ks, 0]
+        res[where] = [[8 + i, float((out[i, 0] - big[i]) / small[i])] for i in range(rows)]
+    return res
+
+
 def main(argv=None) -> int:
     """The command line (``--help``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -180,18 +231,17 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=1024, help="keys (a multiple of 64)")
     p.add_argument("--dists", default="normal,outliers,big_q,peaked")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--acc-bits", default="23,13,10", help="comma-separated mantissa bits the FP8 dots' accumulator "
-                   "keeps (23: exact fp32 sums)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated ways the FP8 dots sum (module doc)")
+    p.add_argument("--bits", type=int, default=13, help="bits the tensor cores' adder keeps below its largest addend")
+    p.add_argument("--probe", action="store_true", help="also measure this GPU's FP8 GEMM accumulation "
+                   "(probe_accumulation; needs CUDA)")
     p.add_argument("--out", default=None, help="json path (default: print only)")
     a = p.parse_args(argv)
-    try:
-        bits = [int(x) for x in a.acc_bits.split(",") if x]
-    except ValueError:
-        bits = []
-    if a.heads < 1 or a.length < TILE or a.length % TILE or a.seeds < 1 or not bits or \
-            not all(1 <= b <= 23 for b in bits):
-        raise SystemExit("--heads >= 1, --length a positive multiple of 64, --seeds >= 1, --acc-bits integers "
-                         "in 1..23")
+    modes = [m for m in a.modes.split(",") if m]
+    if a.heads < 1 or a.length < TILE or a.length % TILE or a.seeds < 1 or not modes or \
+            not set(modes) <= set(MODES) or not 1 <= a.bits <= 23:
+        raise SystemExit(f"--heads >= 1, --length a positive multiple of 64, --seeds >= 1, --modes of {MODES}, "
+                         f"--bits in 1..23")
     spec = ModelSpec(num_heads=a.heads)
     rows = []
     for dist in filter(None, a.dists.split(",")):
@@ -201,21 +251,31 @@ def main(argv=None) -> int:
                 q, packed = make_inputs(a.heads, a.length, dist, gen, spec)
             except ValueError as e:
                 raise SystemExit(str(e))
-            for b in bits:
-                outs = run_paths(q, packed, spec, b)
-                r = {"dist": dist, "seed": seed, "acc_bits": b,
+            for mode in modes:
+                outs = run_paths(q, packed, spec, mode, a.bits)
+                r = {"dist": dist, "seed": seed, "mode": mode,
                      **{k: errors(outs[k], outs["reference"]) for k in ("shipped", "fp8_dots")}}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     worst = {}
     for r in rows:
-        w = worst.setdefault(f"{r['dist']} acc_bits={r['acc_bits']}", {"shipped": 0.0, "fp8_dots": 0.0})
+        w = worst.setdefault(f"{r['dist']} {r['mode']}", {"shipped": 0.0, "fp8_dots": 0.0})
         for k in w:
             w[k] = max(w[k], r[k]["tol_ratio"])
     for k, w in worst.items():
         print(f"{k:>28}: worst |err| / tolerance shipped {w['shipped']:.3f}, fp8 dots {w['fp8_dots']:.3f}")
-    res = {"heads": a.heads, "length": a.length, "seeds": a.seeds, "tolerance_atol_rtol": BF16_TOL,
+    res = {"heads": a.heads, "length": a.length, "seeds": a.seeds, "bits": a.bits, "tolerance_atol_rtol": BF16_TOL,
            "worst_tol_ratio": worst, "rows": rows}
+    if a.probe:
+        if not torch.cuda.is_available():
+            raise SystemExit("--probe needs a CUDA GPU")
+        res["probe"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "fast_accum": probe_accumulation(fast_accum=True),
+                        "cublas_default": probe_accumulation(fast_accum=False)}
+        for mode, pr in res["probe"].items():
+            if isinstance(pr, dict):
+                for where, kept in pr.items():
+                    print(f"probe {mode} {where}: " + " ".join(f"r={r}:{x:.2f}" for r, x in kept))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

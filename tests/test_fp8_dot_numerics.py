@@ -28,19 +28,27 @@ def test_split_e4m3_is_exact_for_bf16_values_in_range(load_benchmark, mag, sign)
 
 
 @settings(max_examples=200, suppress_health_check=_FIXTURE)
-@given(x=st.floats(-1e30, 1e30, allow_nan=False, allow_subnormal=False).filter(lambda v: abs(v) > 1e-30),
+@given(terms=st.lists(st.floats(-1e6, 1e6, allow_nan=False, allow_subnormal=False), min_size=1, max_size=40),
        bits=st.integers(1, 23))
-def test_round_mantissa_drops_low_bits_toward_zero(load_benchmark, x, bits):
+def test_align_truncate_cuts_every_addend_below_the_largest_ones_bits(load_benchmark, terms, bits):
+    """Each addend becomes the multiple of ``2**(e - bits)`` nearest it toward zero, ``e`` the
+    largest addend's exponent: the largest keeps its top ``bits + 1`` bits, and an addend
+    ``2**-bits`` of it survives where half of that would not."""
     fd = load_benchmark("fp8_dot_numerics")
-    t = torch.tensor([x], dtype=torch.float32)
-    r = fd.round_mantissa(t, bits).item()
-    v = t.item()
-    if bits == 23:
-        assert r == v
-    assert abs(r) <= abs(v) and (r == 0 or math.copysign(1, r) == math.copysign(1, v))
-    assert abs(v - r) < 2.0 ** -bits * abs(v)
-    m, _ = math.frexp(r)  # r keeps at most bits + 1 significant bits
-    assert (m * 2 ** (bits + 1)).is_integer()
+    t = torch.tensor(terms, dtype=torch.float64)
+    got = fd.align_truncate(t[None], bits)[0]
+    big = t.abs().max().item()
+    if big == 0:
+        assert bool((got == 0).all())
+        return
+    step = 2.0 ** (math.floor(math.log2(big)) - bits)
+    for x, y in zip(t.tolist(), got.tolist()):
+        assert (y / step).is_integer() and abs(y) <= abs(x) and abs(x - y) < step
+        assert y == 0 or math.copysign(1, y) == math.copysign(1, x)
+    lead = 2.0 ** math.floor(math.log2(big))
+    kept = fd.align_truncate(torch.tensor([[lead, lead * 2.0 ** -bits, lead * 2.0 ** -(bits + 1)]],
+                                          dtype=torch.float64), bits)[0].tolist()
+    assert kept == [lead, lead * 2.0 ** -bits, 0.0]
 
 
 @settings(max_examples=100, suppress_health_check=_FIXTURE)
@@ -61,19 +69,26 @@ def test_pow2_under_leaves_zero_and_non_finite_alone(load_benchmark):
     assert f[:3].tolist() == [1.0, 1.0, 1.0] and f[3].item() == 2.0 ** 126
 
 
-def test_narrow_dot_is_exact_at_23_bits_and_narrows_below(load_benchmark):
+def test_narrow_dot_sums_as_its_mode_says(load_benchmark):
+    """``exact`` is the plain product; ``promoted`` loses a small product only inside its own
+    chunk of 32, ``tensor_core`` also against the running sum of earlier chunks."""
     fd = load_benchmark("fp8_dot_numerics")
     g = torch.Generator().manual_seed(0)
     # integers whose sums stay below 2**24: every fp32 sum is exact, in any order
     a = torch.randint(-8, 8, (3, 96), generator=g).float()
     b = torch.randint(-8, 8, (96, 5), generator=g).float() * 1024.0 + 1.0
-    assert torch.equal(fd.narrow_dot(a, b, 23), a @ b)
-    # positive terms (no cancellation): three chunk additions, each cut by less than 2**-4 of a
-    # total no larger than the final one, all toward zero
-    a, b = a.abs() + 1, b.abs()
-    exact, narrow = a @ b, fd.narrow_dot(a, b, 4)
-    assert not torch.equal(narrow, exact)
-    assert ((narrow <= exact) & (exact - narrow < 3 * 2.0 ** -4 * exact)).all()
+    assert torch.equal(fd.narrow_dot(a, b, "exact"), a @ b)
+    # one big product in chunk 0, one 2**-14 of it in chunk 1: kept when promoted, lost otherwise
+    a = torch.zeros(1, 64)
+    b = torch.zeros(64, 1)
+    a[0, 0], b[0, 0], a[0, 32], b[32, 0] = 16.0, 16.0, 2.0 ** -3, 2.0 ** -3
+    for mode, want in (("exact", 256 + 2.0 ** -6), ("promoted", 256 + 2.0 ** -6), ("tensor_core", 256.0)):
+        assert fd.narrow_dot(a, b, mode, bits=13).item() == want, mode
+    # the same two products in one chunk: lost in both narrow modes
+    a[0, 32], b[32, 0], a[0, 1], b[1, 0] = 0.0, 0.0, 2.0 ** -3, 2.0 ** -3
+    assert fd.narrow_dot(a, b, "promoted", bits=13).item() == 256.0
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fd.narrow_dot(a, b, "fast")
 
 
 def test_the_reference_path_is_the_oracles_decode(load_benchmark):
@@ -82,7 +97,7 @@ def test_the_reference_path_is_the_oracles_decode(load_benchmark):
     fd = load_benchmark("fp8_dot_numerics")
     spec = ModelSpec(num_heads=4)
     q, packed = fd.make_inputs(4, 128, "outliers", torch.Generator().manual_seed(1), spec)
-    outs = fd.run_paths(q, packed, spec, 23)
+    outs = fd.run_paths(q, packed, spec, "exact")
     want, _ = mla_ref.mla_decode(q.double()[None, None], packed[None], torch.zeros(1, 1, dtype=torch.int32),
                                  torch.tensor([128], dtype=torch.int32), spec=spec)
     torch.testing.assert_close(outs["reference"], want[0, 0], rtol=1e-10, atol=1e-12)
@@ -90,12 +105,12 @@ def test_the_reference_path_is_the_oracles_decode(load_benchmark):
 
 @pytest.mark.parametrize("dist", ["normal", "big_q"])
 def test_both_paths_are_within_the_gpu_tolerance_with_exact_sums(load_benchmark, dist):
-    """With exact accumulation the shipped numerics and the hi + lo FP8 dots both stay well inside
-    bf16's GPU tolerance; the errors are real (not zero)."""
+    """With exact sums the shipped numerics and the hi + lo FP8 dots both stay well inside bf16's
+    GPU tolerance; the errors are real (not zero)."""
     fd = load_benchmark("fp8_dot_numerics")
     spec = ModelSpec(num_heads=4)
     q, packed = fd.make_inputs(4, 128, dist, torch.Generator().manual_seed(2), spec)
-    outs = fd.run_paths(q, packed, spec, 23)
+    outs = fd.run_paths(q, packed, spec, "exact")
     for path in ("shipped", "fp8_dots"):
         e = fd.errors(outs[path], outs["reference"])
         assert 0 < e["tol_ratio"] < 0.5, (path, e)
@@ -103,6 +118,20 @@ def test_both_paths_are_within_the_gpu_tolerance_with_exact_sums(load_benchmark,
 
 def test_bad_arguments_are_usage_errors(load_benchmark):
     fd = load_benchmark("fp8_dot_numerics")
-    for argv in (["--length", "100"], ["--acc-bits", "x"], ["--acc-bits", "30"], ["--dists", "uniform"]):
+    for argv in (["--length", "100"], ["--modes", "fast"], ["--bits", "30"], ["--dists", "uniform"]):
         with pytest.raises(SystemExit):
             fd.main(argv + ["--seeds", "1"])
+
+
+@pytest.mark.gpu
+def test_the_accumulation_probe_sees_close_products_whole_gpu(load_benchmark):
+    """On the GPU: a product 8 bits below the large one reaches the result whole in either
+    mode and chunk, and no row reports more than the whole product or less than none."""
+    fd = load_benchmark("fp8_dot_numerics")
+    for fast in (True, False):
+        res = fd.probe_accumulation(fast_accum=fast)
+        assert set(res) == {"within", "across"}
+        for where, rows in res.items():
+            assert [r for r, _ in rows] == list(range(8, 24))
+            assert rows[0][1] == 1.0, (fast, where, rows[0])
+            assert all(-1e-6 <= kept <= 1.0 + 1e-6 for _, kept in rows), (fast, where, rows)
