@@ -10,7 +10,7 @@ significant bits. This script measures what splitting each of them into two e4m3
 the shipped kernels' numerics and an fp64 reference, for one request of ``h`` rows over ``L``
 keys in 64-key tiles (the kernels' online softmax, tile by tile):
 
-- ``reference``: fp64 softmax attention over the dequantised keys (``code * scale``);
+- ``reference``: the oracle, ``mla_ref.mla_decode``, in fp64 (keys ``code * scale``);
 - ``shipped``: the ws kernel's numerics -- codes exact in fp16, q times a power of two in
   fp16, group scales on the four group dots' results, ``P^T * scale_g * 2**8`` in fp16, fp32
   accumulation;
@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mla_ref import ModelSpec  # noqa: E402
+from mla_ref import ModelSpec, mla_decode  # noqa: E402
 from mla_ref.fp8 import quantize_kv_fp8, split_fp8_tokens  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -138,12 +138,11 @@ def run_paths(q: torch.Tensor, packed: torch.Tensor, spec: ModelSpec, mode: str,
     sc = scales  # [L, ng]
     qs = spec.softmax_scale * math.log2(math.e)
     q_lat, q_rope = q[:, :rank].float(), q[:, rank:].float()
-    # reference, fp64 over the dequantised keys (code * scale is exact in fp64)
-    k_deq = (c.double().reshape(-1, ng, group) * sc.double()[:, :, None]).reshape(-1, rank)
-    s = (q_lat.double() @ k_deq.T + q_rope.double() @ rope.double().T) * qs
-    p = torch.exp2(s - s.max(dim=1, keepdim=True).values)
-    ref = (p @ k_deq) / p.sum(dim=1, keepdim=True)
-    out = {"reference": ref}
+    # reference: the oracle in fp64 (q fp64 makes it compute in fp64), the request on one page
+    length = packed.shape[0]
+    ref, _ = mla_decode(q.double()[None, None], packed[None], torch.zeros(1, 1, dtype=torch.int32),
+                        torch.tensor([length], dtype=torch.int32), spec=spec)
+    out = {"reference": ref[0, 0]}
     # q's power-of-two row factors: fp16 below 2**15 (shipped), e4m3 below 2**8 (fp8 dots)
     amax = q_lat.abs().amax(dim=1)
     q16 = pow2_under(amax, 2.0 ** 15)
