@@ -86,8 +86,10 @@ warpgroups on alternate tiles: 0.94-1.42x this kernel at h=128, ``pp_taken``); o
 device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles) and h=16 bf16 at s_q=2 (32 query rows in a 64-row block, the rest
 masked padding; the part sizes are in that function). h=16 FP8 takes a few-row kernel
-instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the warp-specialised one of
-``kernels/decode_wgmma_ws.py`` (switch ``WGMMA_WS``), at s_q=2 -- and at s_q=1 with that switch
+instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the register-operand one of
+``kernels/decode_wgmma_rs.py`` where its TMA copies apply (switch ``WGMMA_RS``, ``rs_plan``),
+else the warp-specialised one of ``kernels/decode_wgmma_ws.py`` (switch ``WGMMA_WS``, which
+turns both off), at s_q=2 -- and at s_q=1 with that switch
 off -- the keys-on-M one of ``kernels/decode_wgmma_keys.py`` (this kernel ran both before, padded
 to 64 rows, and still does with ``WGMMA_KEYS`` off). It is
 written against Triton 3.6's Gluon, an experimental API: if it fails to build with the
@@ -113,13 +115,14 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
+from .decode_wgmma_rs import rs_descriptors_available
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
 from .gluon_parts import (copy_q_rows, key_rows, program_rows, request_span, row_copy_layout, rows_tile_step,
                           store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
-__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_WS64", "WGMMA_PP", "wgmma_plan", "ws64_taken", "pp_taken",
-           "launch_decode_wgmma", "mark_unavailable"]
+__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_RS", "WGMMA_WS64", "WGMMA_PP", "wgmma_plan", "rs_plan",
+           "ws64_taken", "pp_taken", "launch_decode_wgmma", "mark_unavailable"]
 
 #: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
 #: tests turn it off to time / check the Triton kernel on the same GPU).
@@ -131,6 +134,11 @@ WGMMA_KEYS = True
 #: Take the warp-specialised FP8 kernel (``decode_wgmma_ws``) for 16-row blocks of 64-key
 #: tiles with 4 warps (a switch like ``WGMMA_KEYS``; ``WGMMA_DECODE`` turns it off too).
 WGMMA_WS = True
+#: Take the register-operand FP8 kernel (``decode_wgmma_rs``: TMA copies of the raw cache rows,
+#: the codes converted in two consumer warpgroups' registers) for the launches of that shape,
+#: where its copies apply (``rs_plan``; a switch like ``WGMMA_WS``; off, ``decode_wgmma_ws`` runs
+#: them).
+WGMMA_RS = True
 #: Take the warp-specialised 64-row FP8 kernel (``decode_wgmma_ws64``: a producer partition
 #: dequantises the next tile while the dots run) for the FP8 64-row blocks this module's kernel
 #: would otherwise run (a switch like ``WGMMA_WS``; off, this module's kernel runs them).
@@ -208,6 +216,36 @@ def ws64_taken(kv_cache: torch.Tensor) -> bool:
     of ``decode_wgmma_ws64`` (an FP8 cache: uint8 ``[num_blocks, page, token bytes]``, and the
     ``WGMMA_WS64`` switch on) rather than this module's."""
     return kv_cache.dtype == torch.uint8 and bool(WGMMA_WS64)
+
+
+def rs_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
+    """None when a launch that ``wgmma_plan`` admitted for the warp-specialised few-row FP8 kernel
+    (16-row blocks of ``block_n``-key tiles, 4 warps) runs ``decode_wgmma_rs`` instead, else the
+    reason it keeps ``decode_wgmma_ws`` (static, capture-time facts only). kv_cache: uint8
+    ``[num_blocks, page, token bytes]``.
+
+    ``decode_wgmma_rs`` copies each tile with TMA, one box of ``min(page, block_n)`` rows a page,
+    into 128-byte-swizzled shared memory: the cache must be contiguous with a 16-byte aligned
+    base and 16-byte rows, a page must hold whole tiles or a tile whole pages, a box must be a
+    multiple of the swizzle's 8 rows, and TMA's row coordinate is an int32."""
+    if not WGMMA_RS:
+        return "WGMMA_RS is off"
+    if not rs_descriptors_available():
+        return "this Triton's Gluon has no TMA tensor descriptor"
+    if kv_cache.dim() != 3 or not kv_cache.is_contiguous():
+        return "cache not a contiguous [num_blocks, page_size, bytes_per_token] tensor"
+    nb, page, token = kv_cache.shape
+    if kv_cache.data_ptr() % 16:
+        return "cache base not 16-byte aligned (TMA)"
+    if token % 16:
+        return f"{token} bytes per token: TMA rows need a multiple of 16"
+    if page % block_n and block_n % page:
+        return f"page size {page} neither a multiple nor a divisor of the {block_n}-key tile"
+    if min(page, block_n) % 8:
+        return f"TMA boxes of {min(page, block_n)} rows (the 128-byte swizzle takes multiples of 8)"
+    if nb * page >= 2 ** 31:
+        return "more than 2**31 cache rows (TMA coordinates are int32)"
+    return None
 
 
 def pp_taken(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -66,8 +66,11 @@ spills than the conflicts did (``-ws-store-layouts.json``).
 
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` allows it (a
 Hopper device, ``block_m`` 16 holding all the query rows, ``block_n`` 64, 4 warps, an FP8 cache
-of 128-value groups with bf16 q, the ``WGMMA_WS`` switch on); a build failure falls back to the
-Triton kernel as for the other Gluon kernels (``decode_wgmma.mark_unavailable``).
+of 128-value groups with bf16 q, the ``WGMMA_WS`` switch on) and ``decode_wgmma.rs_plan`` does
+not give the launch to the register-operand kernel of ``decode_wgmma_rs`` (TMA copies, the codes
+converted in registers: 1.06-1.31x this one, ``h100-2026-11-27-kernel-24*.json``), which takes
+every such launch whose cache TMA can copy; a build failure falls back to the Triton kernel as
+for the other Gluon kernels (``decode_wgmma.mark_unavailable``).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Pieces shared by the Gluon decode kernels (``decode_wgmma``, ``decode_wgmma_keys``, ``decode_wgmma_ws``,
-``decode_wgmma_ws64``, ``decode_wgmma_pp``).
+``decode_wgmma_rs``, ``decode_wgmma_ws64``, ``decode_wgmma_pp``).
 
 The planner (``kernels/planner.py``) writes ``part_info`` ``[num_parts + 1, 3]`` int32: part
 ``p`` covers the key tiles from row ``p``'s ``(request, tile, piece)`` to row ``p + 1``'s.
@@ -14,7 +14,8 @@ share q's conversion to fp16, the online-softmax step down the key axis and the 
 request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``); the
 keys-on-M consumer of ``decode_wgmma_ws64`` (up to 32 rows, one ``[512, rows]`` accumulator)
 the softmax step and the stores of one accumulator part and of the log-sum-exp
-(``store_keys_part``, ``store_keys_lse``). The two 64-row kernels (``decode_wgmma`` and its
+(``store_keys_part``, ``store_keys_lse``), as do the two consumer warpgroups of
+``decode_wgmma_rs`` (two groups' parts each). The two 64-row kernels (``decode_wgmma`` and its
 warp-specialised FP8 counterpart ``decode_wgmma_ws64``: the query rows on the wgmma M axis,
 scores ``S [64, keys]``, accumulator ``[64, 512]``) share q's copy, a tile's dots and
 online-softmax step along the key axis, and the stores (``copy_q_rows``, ``rows_tile_step``

@@ -211,10 +211,10 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
     for the previous grid inside the kernel, kernels/pdl.py) and without it (on Hopper: bf16 h=128 runs the Gluon ping-pong 64-row kernel, kernels/decode_wgmma_pp.py,
     bf16 h=16 x 2 the plain 64-row one, kernels/decode_wgmma.py, FP8 h=128 and h=16 x 2 the
     warp-specialised 64-row one, kernels/decode_wgmma_ws64.py; FP8 h=16 x 1 the
-    warp-specialised few-row one, kernels/decode_wgmma_ws.py -- asserted)."""
+    register-operand few-row one, kernels/decode_wgmma_rs.py -- asserted)."""
     import kernels.decode_split as ds
     launched = []
-    for name in ("launch_decode_wgmma", "launch_decode_wgmma_keys", "launch_decode_wgmma_ws",
+    for name in ("launch_decode_wgmma", "launch_decode_wgmma_keys", "launch_decode_wgmma_ws", "launch_decode_wgmma_rs",
                  "launch_decode_wgmma_ws64", "launch_decode_wgmma_pp"):
         real = getattr(ds, name)
         monkeypatch.setattr(ds, name, lambda *a, _real=real, _name=name, **k: (launched.append(_name),
@@ -259,7 +259,7 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
         assert_decode_close(g_out[:B], g_lse[:B], *ref, tol=TOL_GPU[torch.bfloat16])
     if torch.cuda.get_device_capability()[0] == 9:
         if kv == "fp8":
-            want = {"launch_decode_wgmma_ws" if heads * next_n <= 16 else "launch_decode_wgmma_ws64"}
+            want = {"launch_decode_wgmma_rs" if heads * next_n <= 16 else "launch_decode_wgmma_ws64"}
         else:  # bf16 at 16 rows keeps the Triton kernel
             # (4 padded requests: h=128 x 2 is 16 (request, row block) pairs)
             want = ({"launch_decode_wgmma_pp"} if heads * next_n > 64 else

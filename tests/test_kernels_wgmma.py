@@ -107,6 +107,23 @@ def test_wgmma_plan_takes_fp8_16_row_blocks_of_64_keys_with_4_warps(monkeypatch)
     assert "WGMMA_DECODE is off" in dw.wgmma_plan(_q(16, 1), fkv, **kw)
 
 
+def test_rs_plan_takes_the_16_row_fp8_launches_its_tma_copies_fit(monkeypatch):
+    """Of the launches of the warp-specialised kernel's shape, the register-operand kernel
+    (kernels/decode_wgmma_rs.py) takes those whose cache its TMA boxes can copy: contiguous,
+    16-byte aligned, 16-byte rows, pages that hold whole 64-key tiles or that a tile holds
+    whole in boxes of 8-row multiples; its switch."""
+    for page in (64, 128, 256, 8, 16, 32):
+        assert dw.rs_plan(torch.empty(4, page, 656, dtype=torch.uint8), 64) is None, page
+    assert "multiples of 8" in dw.rs_plan(torch.empty(4, 4, 656, dtype=torch.uint8), 64)
+    assert "neither a multiple nor a divisor" in dw.rs_plan(torch.empty(4, 48, 656, dtype=torch.uint8), 64)
+    assert "contiguous" in dw.rs_plan(torch.empty(4, 128, 656, dtype=torch.uint8)[:, :64], 64)
+    flat = torch.empty(4 * 64 * 656 + 16, dtype=torch.uint8)
+    assert "16-byte aligned" in dw.rs_plan(flat[8:8 + 4 * 64 * 656].view(4, 64, 656), 64)
+    assert "bytes per token" in dw.rs_plan(torch.empty(4, 64, 650, dtype=torch.uint8), 64)
+    monkeypatch.setattr(dw, "WGMMA_RS", False)
+    assert "WGMMA_RS is off" in dw.rs_plan(torch.empty(4, 64, 656, dtype=torch.uint8), 64)
+
+
 def test_fp8_64_row_blocks_take_the_warp_specialised_kernel(monkeypatch):
     """Of the 64-row launches ``wgmma_plan`` admits, FP8 ones run the warp-specialised kernel
     (kernels/decode_wgmma_ws64.py) while ``WGMMA_WS64`` is on, 16-bit ones never; the plan
@@ -245,6 +262,7 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     calls = _spy_wgmma(monkeypatch)
     keys_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
     ws_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws")
+    rs_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_rs")
     ws64_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
     pp_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_pp")
     spec = ModelSpec(num_heads=heads)
@@ -265,13 +283,13 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
     if few:
-        want = (0, 0, 1, 0, 0)
+        want = (0, 0, 0, 1, 0, 0) if dw.rs_plan(case.kv_cache, cfg.block_n) is None else (0, 0, 1, 0, 0, 0)
     else:
         # (9 requests: every 16-bit case of two or more row blocks has 16+ pairs)
-        want = (0, 0, 0, 1, 0) if kv == "fp8" else ((0, 0, 0, 0, 1) if heads * s_q > 64 else
-                                                    (0, 0, 0, 0, 0) if triton_only else (1, 0, 0, 0, 0))
-    got = (len(calls), len(keys_calls), len(ws_calls), len(ws64_calls), len(pp_calls))
-    assert got == (want if on and hopper else (0, 0, 0, 0, 0))
+        want = (0, 0, 0, 0, 1, 0) if kv == "fp8" else ((0, 0, 0, 0, 0, 1) if heads * s_q > 64 else
+                                                       (0, 0, 0, 0, 0, 0) if triton_only else (1, 0, 0, 0, 0, 0))
+    got = (len(calls), len(keys_calls), len(ws_calls), len(rs_calls), len(ws64_calls), len(pp_calls))
+    assert got == (want if on and hopper else (0, 0, 0, 0, 0, 0))
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
@@ -329,19 +347,26 @@ def test_decode_wgmma_keys_matches_reference_gpu(heads, s_q, page, big_q, parts,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,s_q,page", [(16, 1, 64), (16, 1, 16), (16, 1, 128), (8, 1, 32), (8, 2, 64),
-                                            (12, 1, 64)])
+                                            (12, 1, 64), (16, 1, 8)])
 @pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
 @pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
-def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, monkeypatch):
-    """The warp-specialised FP8 kernel (kernels/decode_wgmma_ws.py: a producer partition
-    converting 64-key tiles into two shared buffers, a consumer warpgroup's dots) against
-    mla_ref at DeepSeek size, up to 16 query rows (h=12: 4 padding rows in the block; h=8 x
-    2 tokens with mixed query lengths). Lengths around its 64-key tiles and the pages, a
-    9000-key request split over many parts, empty requests (which both partitions must skip
-    alike, or their buffer hand-over goes out of step), NaN in every stale slot and padding
-    query token; ``big_q`` and ``parts`` as in the keys-on-M test (3 parts: each partition
-    crosses many requests and tiles, the buffers' phases wrap many times)."""
-    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws")
+@pytest.mark.parametrize("rs", [True, False], ids=["register-operand", "warp-specialised"])
+def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, rs, monkeypatch):
+    """The two FP8 kernels of 16-row blocks of 64-key tiles against mla_ref at DeepSeek size, up
+    to 16 query rows (h=12: 4 padding rows in the block; h=8 x 2 tokens with mixed query
+    lengths): the register-operand one (kernels/decode_wgmma_rs.py: TMA copies of raw cache
+    rows into a ring of stages, two consumer warpgroups converting the codes into wgmma's
+    register operands, their halves of the scores handed over each tile; pages of 16 and 32
+    keys take one box a page) and, with ``WGMMA_RS`` off, the warp-specialised one
+    (kernels/decode_wgmma_ws.py: a producer partition converting 64-key tiles into two shared
+    buffers, a consumer warpgroup's dots). Lengths around the 64-key tiles and the pages, a
+    9000-key request split over many parts, empty requests (which every partition must skip
+    alike, or their hand-overs go out of step), NaN in every stale slot -- which TMA copies
+    and the register-operand kernel must mask -- and padding query token; ``big_q`` and
+    ``parts`` as in the keys-on-M test (3 parts: each partition crosses many requests and
+    tiles, the stages' phases wrap many times)."""
+    monkeypatch.setattr(dw, "WGMMA_RS", rs)
+    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_rs" if rs else "launch_decode_wgmma_ws")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True)
     hopper = torch.cuda.get_device_capability()[0] == 9
@@ -467,20 +492,24 @@ def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, part
                                                  ("_decode_pp_kernel", 128, 2, "bf16"),
                                                  ("_decode_keys_kernel", 16, 2, "fp8"),
                                                  ("_decode_ws_kernel", 16, 1, "fp8"),
+                                                 ("_decode_rs_kernel", 16, 1, "fp8"),
                                                  ("_decode_ws64_kernel", 128, 1, "fp8")],
-                         ids=["64-row", "pp", "keys", "ws", "ws64"])
+                         ids=["64-row", "pp", "keys", "ws", "rs", "ws64"])
 def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monkeypatch):
     """A Gluon kernel failing to build (here: a resource error raised by its launch) gives a
     warning and the Triton kernel's result, for this launch and the next (the ping-pong
     64-row kernel at h=128 bf16, and the plain one with the ping-pong one off; the keys-on-M
-    one at h=16 FP8 s_q=2 with the warp-specialised 64-row one off, the warp-specialised ones
-    at h=16 FP8 s_q=1 and h=128 FP8: the CUDA defaults that reach each)."""
+    one at h=16 FP8 s_q=2 with the warp-specialised 64-row one off, the register-operand one at
+    h=16 FP8 s_q=1 and the warp-specialised few-row one there with it off, the warp-specialised
+    64-row one at h=128 FP8: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
     import kernels.decode_wgmma_keys as dk
     import kernels.decode_wgmma_ws as dws
     import kernels.decode_wgmma_ws64 as dws64
     import kernels.decode_wgmma_pp as dpp
+    import kernels.decode_wgmma_rs as drs
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
+    monkeypatch.setattr(dw, "WGMMA_RS", kernel == "_decode_rs_kernel")
     # the 64-row kernel runs 16-bit caches with the ping-pong one switched off; the keys-on-M
     # one takes h=16 FP8 s_q=2 with the warp-specialised 64-row one off
     monkeypatch.setattr(dw, "WGMMA_PP", kernel == "_decode_pp_kernel")
@@ -493,7 +522,7 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
             return launch
 
     module = {"_decode_wgmma_kernel": dw, "_decode_keys_kernel": dk, "_decode_ws_kernel": dws,
-              "_decode_ws64_kernel": dws64, "_decode_pp_kernel": dpp}[kernel]
+              "_decode_ws64_kernel": dws64, "_decode_pp_kernel": dpp, "_decode_rs_kernel": drs}[kernel]
     monkeypatch.setattr(module, kernel, Unbuildable())
     spec = ModelSpec(num_heads=heads)
     # five requests: h=128 x 2 is then 20 (request, row block) pairs, enough for the ping-pong kernel
