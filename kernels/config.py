@@ -699,8 +699,9 @@ def _ws64_device() -> bool:
 
 
 def _ws_device() -> bool:
-    """Whether FP8 blocks of up to 16 query rows take the warp-specialised Gluon kernel
-    (``kernels/decode_wgmma_ws.py``) where the keys-on-M one is taken: its switch
+    """Whether FP8 blocks of up to 16 query rows take the blocks of the warp-specialised Gluon
+    kernel (``kernels/decode_wgmma_ws.py``; on a cache TMA can copy, the register-operand
+    ``kernels/decode_wgmma_rs.py`` runs them) where the keys-on-M one is taken: the switch
     ``decode_wgmma.WGMMA_WS``."""
     from . import decode_wgmma
     return bool(decode_wgmma.WGMMA_WS)
@@ -855,7 +856,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
                 # tiles (the same 256 keys): 1.03-1.14x the keys-on-M kernel over B 1-128, L 1k-16k,
                 # 1.05-1.14x at B >= 8 (h100-2026-11-26-wgmma-ws-ab.json; in the full grid, old and
                 # new code in one command: 1.04-1.14x, h100-2026-11-26-kernel-15*.json); parts of two tiles split
-                # B=1, L=16k over twice the pieces (0.76x there)
+                # B=1, L=16k over twice the pieces (0.76x there). The register-operand kernel
+                # (kernels/decode_wgmma_rs.py) runs these blocks where TMA can copy the cache,
+                # measured at the same parts (1.06-1.31x ws, h100-2026-11-27-kernel-24*.json)
                 block_n, warps, min_tiles = 64, 4, 4
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)

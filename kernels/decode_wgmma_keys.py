@@ -70,7 +70,7 @@ Hopper device, ``block_m`` 16 or 32 holding all the query rows, ``block_n`` 128,
 FP8 cache of 128-value groups with bf16 q, the ``WGMMA_KEYS`` switch on); a build failure
 falls back to the Triton kernel as for the 64-row one (``decode_wgmma.mark_unavailable``).
 ``config.default_config`` gives it its blocks only where the warp-specialised kernels are
-switched off: up to 16 rows ``decode_wgmma_ws`` takes them, 17-32 rows the 64-row
+switched off: up to 16 rows ``decode_wgmma_rs`` / ``decode_wgmma_ws`` take them, 17-32 rows the 64-row
 ``decode_wgmma_ws64`` (0.99-1.09x this kernel over B 1-128, L 1k-16k on an H100,
 ``benchmarks/results/h100-2026-11-26-kernel-19*.json``).
 """

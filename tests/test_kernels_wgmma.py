@@ -1,6 +1,7 @@
 """The Hopper Gluon decodes (kernels/decode_wgmma.py, 64-row blocks; kernels/decode_wgmma_ws64.py,
 FP8 64-row blocks, warp-specialised; kernels/decode_wgmma_keys.py, FP8 at up to 32 rows;
-kernels/decode_wgmma_ws.py, FP8 at up to 16 rows, warp-specialised): when they are taken, and
+kernels/decode_wgmma_ws.py, FP8 at up to 16 rows, warp-specialised; kernels/decode_wgmma_rs.py, the
+same launches with the codes converted in wgmma's register operands): when they are taken, and
 their results against mla_ref on the GPU (Gluon has no interpreter, so the CPU suite checks
 only the choice)."""
 from __future__ import annotations
