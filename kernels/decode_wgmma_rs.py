@@ -85,7 +85,6 @@ import torch
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
@@ -95,8 +94,8 @@ try:
 except Exception:  # pragma: no cover - a Gluon without host-side TMA descriptors: decode_wgmma_ws
     TensorDescriptor = None
 
-from .gluon_parts import (part_bounds, request_span, row_copy_layout, softmax_keys_step, store_keys_lse,
-                          store_keys_part, wait_prior_grid, wgmma_layout)
+from .gluon_parts import (copy_q_rope_now, part_bounds, request_span, row_copy_layout, softmax_keys_step,
+                          store_keys_lse, store_keys_part, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_rs", "rs_descriptors", "rs_descriptors_available", "RS_STAGES"]
@@ -316,13 +315,10 @@ if gluon is not None:
                 q_lat_s.index(WG).store((q.to(gl.float32) * qs[:, None]).to(KT))
                 inv_qs = gl.convert_layout(1.0 / qs, ROW_L)
                 if WG == 0:
-                    async_copy.async_copy_global_to_shared(
-                        q_rope_s, q_row + r_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
-                        mask=(r_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
-                    async_copy.commit_group()
-                    async_copy.wait_group(0)
-                fence_async_shared()
-                gl.thread_barrier()
+                    copy_q_rope_now(q_rope_s, q_row, r_rope, c_rope, ROWS, RANK)
+                else:
+                    fence_async_shared()
+                    gl.thread_barrier()
 
                 m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, ROW_L)
                 l_p = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)

@@ -77,14 +77,13 @@ from __future__ import annotations
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, row_copy_layout, softmax_keys_step,
-                          store_keys_result, wait_prior_grid, wgmma_layout)
+from .gluon_parts import (copy_q_rope_now, part_bounds, q_rows_to_fp16, request_span, row_copy_layout,
+                          softmax_keys_step, store_keys_result, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
@@ -240,13 +239,7 @@ if gluon is not None:
                 qs = q_rows_to_fp16(q_row + r_lat.to(gl.int64)[:, None] * D + c_lat[None, :],
                                     (r_lat < ROWS)[:, None] & (c_lat[None, :] < RANK), q_lat_s)
                 inv_qs = gl.convert_layout(1.0 / qs, ROW_L)
-                async_copy.async_copy_global_to_shared(
-                    q_rope_s, q_row + r_rope.to(gl.int64)[:, None] * D + RANK + c_rope[None, :],
-                    mask=(r_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
-                async_copy.commit_group()
-                async_copy.wait_group(0)
-                fence_async_shared()
-                gl.thread_barrier()
+                copy_q_rope_now(q_rope_s, q_row, r_rope, c_rope, ROWS, RANK)
 
                 m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, ROW_L)
                 l_p = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)

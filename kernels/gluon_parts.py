@@ -11,7 +11,8 @@ lines (under the interpreter a nested jit call costs more than the lines,
 The two few-row FP8 kernels (keys on the wgmma M axis: scores ``S^T [keys, rows]``, the
 accumulator ``acc^T [512, rows]`` in four ``[128, rows]`` parts, one per scale group) also
 share q's conversion to fp16, the online-softmax step down the key axis and the stores of a
-request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``); the
+request's result (``q_rows_to_fp16``, ``softmax_keys_step``, ``store_keys_result``), and the
+warp-specialised ones q's rope copy (``copy_q_rope_now``); the
 keys-on-M consumer of ``decode_wgmma_ws64`` (up to 32 rows, one ``[512, rows]`` accumulator)
 the softmax step and the stores of one accumulator part and of the log-sum-exp
 (``store_keys_part``, ``store_keys_lse``), as do the two consumer warpgroups of
@@ -41,7 +42,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 __all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "program_rows",
-           "request_span", "tile_page", "key_rows", "q_rows_to_fp16", "softmax_keys_step", "store_keys_result",
+           "request_span", "tile_page", "key_rows", "q_rows_to_fp16", "copy_q_rope_now", "softmax_keys_step", "store_keys_result",
            "store_keys_part", "store_keys_lse", "copy_q_rows", "start_request_rows", "softmax_rows_step",
            "store_rows_result"]
 
@@ -155,6 +156,23 @@ if gluon is not None:
         qs = gl.exp2(k.to(gl.float32))
         q_lat_s.store((q * qs[:, None]).to(gl.float16))
         return qs
+
+    @gluon.jit
+    def copy_q_rope_now(q_rope_s, q_row, r_rope, c_rope, ROWS, RANK: gl.constexpr):
+        """Copy a request's q rope into ``q_rope_s`` (``[R, ROPE]``, 16-bit) and wait until it has
+        landed and is visible to the dots of every warp of the partition: ``q_row`` points at the
+        request's q (``[ROWS, RANK + ROPE]``), ``r_rope`` / ``c_rope`` are ``arange(R)`` /
+        ``arange(ROPE)`` in the row / column slices of the copy's layout; rows at or past
+        ``ROWS`` (padding) land as zeros. ``cp.async``, with every earlier group of the thread
+        waited for too."""
+        ROPE: gl.constexpr = q_rope_s.shape[1]
+        async_copy.async_copy_global_to_shared(
+            q_rope_s, q_row + r_rope.to(gl.int64)[:, None] * (RANK + ROPE) + RANK + c_rope[None, :],
+            mask=(r_rope < ROWS)[:, None] & (c_rope[None, :] < ROPE))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
 
     @gluon.jit
     def softmax_keys_step(s, m_i, l_p, ctx, offs_n, seq_len):
