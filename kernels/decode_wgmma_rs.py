@@ -40,15 +40,16 @@ sits at 1.45x the copy floor. Here no dequantised tile goes through shared memor
   Each scales q by its own power of two (over its half of the latent), undone on its half of
   the scores.
 
-Per tile the shared pipe sees the TMA writes (41 KiB), the code reads (36 + 32 KiB) and the B
-operands (q, P); the fp16 tile's 64 KiB of stores and 128 KiB of wgmma reads are gone. TMA
+Per tile the shared pipe sees the TMA writes (41 KiB), the code reads (32 KiB as ``K``, 32 as
+``K^T``), the rope dot's 8 KiB and the B operands (q, P); the fp16 tile's 64 KiB of stores and
+128 KiB of wgmma reads are gone. TMA
 copies whatever the slots hold, so keys past ``seq_len`` are masked in registers: their scores
 by the softmax, their codes (zero words) and scales (zero) before the PV dot, so a NaN-poisoned
 stale slot never reaches the accumulator.
 
 Measured on an H100 (FP8 h=16 s_q=1, the shipped ws kernel against this one in one process,
 ``benchmarks/results/h100-2026-11-27-wgmma-rs-ab.json``; over the grid,
-``h100-2026-11-27-kernel-24*.json``): 1.06-1.31x, B=128 L=16k 651 -> 496 us (69% -> 92% of the
+``h100-2026-11-27-kernel-24*.json``): 1.06-1.31x, B=128 L=16k 651 -> 496 us (70% -> 92% of the
 copy rate), B=8 L=16k 59.9 -> 49.8 us. The steps there:
 
 - one consumer warpgroup doing all four groups: 0.73-0.86x -- 240 registers and spills, one
