@@ -54,9 +54,9 @@ copy rate), B=8 L=16k 59.9 -> 49.8 us. The steps there:
 
 - one consumer warpgroup doing all four groups: 0.73-0.86x -- 240 registers and spills, one
   warp a scheduler, each conversion's latency exposed;
-- two warpgroups on two groups each: 1.12-1.30x at 128k tokens and up, but 0.88-0.95x on
-  small batches, whose parts store their result right after a few tiles. The permuted rows'
-  stores were 4-byte scatters;
+- two warpgroups on two groups each: 1.12-1.30x at 128k tokens and up, but 0.88-0.95x at
+  B=1-32 with 16-128k tokens, whose parts store their result after a few tiles. The permuted
+  rows' stores were 4-byte scatters;
 - the stores relabelled into column order (16-byte vectors) and 3 stages instead of 4: the
   shipped state.
 
