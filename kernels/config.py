@@ -707,6 +707,14 @@ def _ws_device() -> bool:
     return bool(decode_wgmma.WGMMA_WS)
 
 
+def _kt_device() -> bool:
+    """Whether 16-bit blocks of up to 16 query rows take the TMA keys-on-M Gluon kernel
+    (``kernels/decode_wgmma_kt.py``) on a device ``_wgmma_device`` accepts: its switch
+    ``decode_wgmma.WGMMA_KT``."""
+    from . import decode_wgmma
+    return bool(decode_wgmma.WGMMA_KT)
+
+
 def _gluon_spec(spec: ModelSpec, fp8: bool) -> bool:
     """Whether ``spec``'s shapes are those the Hopper Gluon kernels are written for
     (``decode_wgmma.wgmma_plan``: rank 512 + rope 64, and for an FP8 cache scale groups of 128)."""
@@ -761,7 +769,8 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     64-row blocks of 64-key tiles run the Gluon kernel ``kernels/decode_wgmma.py``, which there
     also takes h=16 bf16 at s_q=2 (its rows padded to 64; not the sparse decode), and h=16 FP8
     takes the few-row Gluon kernel ``kernels/decode_wgmma_keys.py`` (16/32-row blocks of
-    128-key tiles); the combine splits the latent columns in 128s.
+    128-key tiles), and h=16 bf16 / fp16 at s_q=1 the TMA one of ``kernels/decode_wgmma_kt.py``
+    (16-row blocks of 64-key tiles, 4 warps); the combine splits the latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -860,6 +869,13 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
                 # (kernels/decode_wgmma_rs.py) runs these blocks where TMA can copy the cache,
                 # measured at the same parts (1.06-1.31x ws, h100-2026-11-27-kernel-24*.json)
                 block_n, warps, min_tiles = 64, 4, 4
+    if gluon and rows <= 16 and not fp8 and _kt_device():
+        # Hopper, 16-bit cache, up to 16 rows: the TMA keys-on-M Gluon kernel
+        # (kernels/decode_wgmma_kt.py; where decode_wgmma.kt_plan refuses the cache, the Triton
+        # kernel runs these blocks), parts of four 64-key tiles (the Triton blocks' 256 keys):
+        # 1.00-1.24x the Triton defaults above over B 1-128, L 1k-16k, geo-mean 1.13
+        # (h100-2026-11-27-wgmma-kt-ab.json)
+        block_m, block_n, warps, stages, min_tiles = 16, 64, 4, 1, 4
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x

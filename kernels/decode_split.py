@@ -286,6 +286,7 @@ from .config import interpreting
 from .decode_wgmma import launch_decode_wgmma, mark_unavailable, pp_taken, rs_plan, wgmma_plan, ws64_taken
 from .decode_wgmma_pp import launch_decode_wgmma_pp
 from .decode_wgmma_keys import launch_decode_wgmma_keys
+from .decode_wgmma_kt import launch_decode_wgmma_kt
 from .decode_wgmma_rs import launch_decode_wgmma_rs
 from .decode_wgmma_ws import launch_decode_wgmma_ws
 from .decode_wgmma_ws64 import launch_decode_wgmma_ws64
@@ -948,7 +949,8 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         # Hopper: a Gluon kernel -- 64-row blocks the ping-pong one of kernels/decode_wgmma_pp.py
         # (16-bit, two or more row blocks; else, or with its switch off, the one of
         # decode_wgmma.py), FP8 ones the
-        # warp-specialised decode_wgmma_ws64.py; FP8 few-row blocks of 4 warps the
+        # warp-specialised decode_wgmma_ws64.py; few-row blocks of 4 warps of a 16-bit cache the
+        # TMA keys-on-M decode_wgmma_kt.py (wgmma_plan checked kt_plan), of an FP8 one the
         # register-operand decode_wgmma_rs.py where its TMA copies apply (rs_plan), else the
         # warp-specialised decode_wgmma_ws.py, of 8 warps the keys-on-M decode_wgmma_keys.py. A
         # build failure (compile or resources: raised before anything is launched) sends this
@@ -958,8 +960,9 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
                 launch = (launch_decode_wgmma_ws64 if ws64_taken(kv_cache) else
                           launch_decode_wgmma_pp if pp_taken(q, kv_cache) else launch_decode_wgmma)
             else:
-                launch = ((launch_decode_wgmma_rs if rs_plan(kv_cache, block_n) is None else launch_decode_wgmma_ws)
-                          if num_warps == 4 else launch_decode_wgmma_keys)
+                launch = (launch_decode_wgmma_keys if num_warps != 4 else
+                          launch_decode_wgmma_kt if not fp8 else
+                          launch_decode_wgmma_rs if rs_plan(kv_cache, block_n) is None else launch_decode_wgmma_ws)
             launch(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                    split_offsets, out, lse, partial_o, partial_lse, softmax_scale_log2=float(softmax_scale) * _LOG2E,
                    rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n)

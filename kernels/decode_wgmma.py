@@ -91,7 +91,9 @@ instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the register-operan
 else the warp-specialised one of ``kernels/decode_wgmma_ws.py`` (switch ``WGMMA_WS``, which
 turns both off), at s_q=2 -- and at s_q=1 with that switch
 off -- the keys-on-M one of ``kernels/decode_wgmma_keys.py`` (this kernel ran both before, padded
-to 64 rows, and still does with ``WGMMA_KEYS`` off). It is
+to 64 rows, and still does with ``WGMMA_KEYS`` off). h=16 bf16 / fp16 at s_q=1 takes the TMA
+keys-on-M kernel of ``kernels/decode_wgmma_kt.py`` where its copies apply (switch ``WGMMA_KT``,
+``kt_plan``; else, and with the switch off, the Triton kernel). It is
 written against Triton 3.6's Gluon, an experimental API: if it fails to build with the
 installed Triton (a compile or resource error, raised before anything is launched), the
 first launch warns and it and every later one take the Triton kernel (``mark_unavailable``).
@@ -115,14 +117,15 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 from .decode_wgmma_keys import KEYS_BLOCK_N
+from .decode_wgmma_kt import kt_descriptors_available
 from .decode_wgmma_rs import rs_descriptors_available
 from .decode_wgmma_ws import WS_BLOCK_N, WS_WARPS
 from .gluon_parts import (copy_q_rows, key_rows, program_rows, request_span, row_copy_layout, rows_tile_step,
                           store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
-__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_RS", "WGMMA_WS64", "WGMMA_PP", "wgmma_plan", "rs_plan",
-           "ws64_taken", "pp_taken", "launch_decode_wgmma", "mark_unavailable"]
+__all__ = ["WGMMA_DECODE", "WGMMA_KEYS", "WGMMA_WS", "WGMMA_RS", "WGMMA_KT", "WGMMA_WS64", "WGMMA_PP", "wgmma_plan",
+           "rs_plan", "kt_plan", "ws64_taken", "pp_taken", "launch_decode_wgmma", "mark_unavailable"]
 
 #: Take this kernel where ``wgmma_plan`` allows it. A module switch (benchmarks A/B it;
 #: tests turn it off to time / check the Triton kernel on the same GPU).
@@ -139,6 +142,10 @@ WGMMA_WS = True
 #: where its copies apply (``rs_plan``; a switch like ``WGMMA_WS``; off, ``decode_wgmma_ws`` runs
 #: them).
 WGMMA_RS = True
+#: Take the TMA keys-on-M kernel (``decode_wgmma_kt``) for 16-bit caches in 16-row blocks of
+#: 64-key tiles with 4 warps, where its copies apply (``kt_plan``; a switch like ``WGMMA_RS``; off,
+#: ``config.default_config`` gives those launches the Triton kernel's own blocks again).
+WGMMA_KT = True
 #: Take the warp-specialised 64-row FP8 kernel (``decode_wgmma_ws64``: a producer partition
 #: dequantises the next tile while the dots run) for the FP8 64-row blocks this module's kernel
 #: would otherwise run (a switch like ``WGMMA_WS``; off, this module's kernel runs them).
@@ -163,8 +170,8 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
     are taken: 64-row blocks of 64-key tiles with 8 warps (this module's kernel; 16-bit or FP8
     caches); 16- or 32-row blocks of 128-key tiles with 8 warps holding all ``s_q * h`` query
     rows (FP8 only: ``decode_wgmma_keys``, switch ``WGMMA_KEYS``); 16-row blocks of 64-key tiles
-    with 4 warps holding them all (FP8 only: the warp-specialised ``decode_wgmma_ws``, switch
-    ``WGMMA_WS``).
+    with 4 warps holding them all (FP8: the warp-specialised ``decode_wgmma_ws``, switch
+    ``WGMMA_WS``; 16-bit: the TMA ``decode_wgmma_kt`` where ``kt_plan`` admits the cache).
 
     q ``[B, s_q, h, rank + rope]`` (bf16 / fp16 take it); kv_cache ``[num_blocks, page,
     rank + rope]`` of q's dtype, or uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``
@@ -202,6 +209,11 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
     if (block_m, block_n, num_warps) == (64, 64, 8):
         return None
     if (block_m, block_n, num_warps) == (16, WS_BLOCK_N, WS_WARPS):
+        if kv_cache.dtype != torch.uint8:
+            # a 16-bit cache: the TMA keys-on-M kernel (kernels/decode_wgmma_kt.py)
+            if q.shape[1] * q.shape[2] > block_m:
+                return f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the TMA kernel takes one block)"
+            return kt_plan(kv_cache, block_n)
         # the warp-specialised few-row FP8 kernel (kernels/decode_wgmma_ws.py)
         return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_WS", WGMMA_WS, "warp-specialised")
     if block_n == KEYS_BLOCK_N and block_m in (16, 32) and num_warps == 8:
@@ -239,6 +251,36 @@ def rs_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
         return "cache base not 16-byte aligned (TMA)"
     if token % 16:
         return f"{token} bytes per token: TMA rows need a multiple of 16"
+    if page % block_n and block_n % page:
+        return f"page size {page} neither a multiple nor a divisor of the {block_n}-key tile"
+    if min(page, block_n) % 8:
+        return f"TMA boxes of {min(page, block_n)} rows (the 128-byte swizzle takes multiples of 8)"
+    if nb * page >= 2 ** 31:
+        return "more than 2**31 cache rows (TMA coordinates are int32)"
+    return None
+
+
+def kt_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
+    """None when a 16-bit launch of ``wgmma_plan``'s few-row shape (16-row blocks of ``block_n``-key
+    tiles, 4 warps) can run ``decode_wgmma_kt``, else the reason it cannot (static, capture-time
+    facts only; the launch then takes the Triton kernel). kv_cache: bf16 / fp16 ``[num_blocks,
+    page, 1, d_qk]``.
+
+    ``decode_wgmma_kt`` copies each tile with TMA, boxes of ``min(page, block_n)`` rows a page
+    and 64 columns, into 128-byte-swizzled shared memory: the cache must be contiguous with a
+    16-byte aligned base and 16-byte rows, a page must hold whole tiles or a tile whole pages, a
+    box must be a multiple of the swizzle's 8 rows, and TMA's row coordinate is an int32."""
+    if not WGMMA_KT:
+        return "WGMMA_KT is off"
+    if not kt_descriptors_available():
+        return "this Triton's Gluon has no TMA tensor descriptor"
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or not kv_cache.is_contiguous():
+        return "cache not a contiguous [num_blocks, page_size, 1, d_qk] tensor"
+    nb, page, _, d = kv_cache.shape
+    if kv_cache.data_ptr() % 16:
+        return "cache base not 16-byte aligned (TMA)"
+    if (d * kv_cache.element_size()) % 16:
+        return f"{d * kv_cache.element_size()} bytes per token: TMA rows need a multiple of 16"
     if page % block_n and block_n % page:
         return f"page size {page} neither a multiple nor a divisor of the {block_n}-key tile"
     if min(page, block_n) % 8:

@@ -1,11 +1,13 @@
 """The Hopper Gluon decodes (kernels/decode_wgmma.py, 64-row blocks; kernels/decode_wgmma_ws64.py,
 FP8 64-row blocks, warp-specialised; kernels/decode_wgmma_keys.py, FP8 at up to 32 rows;
 kernels/decode_wgmma_ws.py, FP8 at up to 16 rows, warp-specialised; kernels/decode_wgmma_rs.py, the
-same launches with the codes converted in wgmma's register operands): when they are taken, and
+same launches with the codes converted in wgmma's register operands; kernels/decode_wgmma_kt.py,
+16-bit caches at up to 16 rows, TMA copies): when they are taken, and
 their results against mla_ref on the GPU (Gluon has no interpreter, so the CPU suite checks
 only the choice)."""
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -85,13 +87,15 @@ def test_wgmma_plan_takes_fp8_few_row_blocks_of_128_keys(monkeypatch):
 def test_wgmma_plan_takes_fp8_16_row_blocks_of_64_keys_with_4_warps(monkeypatch):
     """The warp-specialised kernel's shape: an FP8 cache with bf16 queries, every query row of
     a request in one 16-row block, 64-key tiles, 4 (consumer) warps, on Hopper; its own
-    switch, and the keys-on-M kernel's does not turn it off."""
+    switch, and the keys-on-M kernel's does not turn it off. (A 16-bit cache in this shape goes
+    to the TMA keys-on-M kernel.)"""
     kw = dict(rank=512, rope_dim=64, block_m=16, block_n=64, num_warps=4, capability=(9, 0))
     fkv = torch.empty(4, 64, 656, dtype=torch.uint8)
     for heads, s_q in ((16, 1), (8, 2), (12, 1), (1, 1)):
         assert dw.wgmma_plan(_q(heads, s_q), fkv, **kw) is None, (heads, s_q)
     assert "32 query rows in a 16-row block" in dw.wgmma_plan(_q(16, 2), fkv, **kw)
-    assert "FP8 caches only" in dw.wgmma_plan(_q(16, 1), torch.empty(4, 64, 576, dtype=torch.bfloat16), **kw)
+    # a 16-bit cache in this shape is the TMA keys-on-M kernel's (kt_plan: its own test)
+    assert dw.wgmma_plan(_q(16, 1), torch.empty(4, 64, 1, 576, dtype=torch.bfloat16), **kw) is None
     assert "queries" in dw.wgmma_plan(_q(16, 1, torch.float16), fkv, **kw)
     assert "scale group" in dw.wgmma_plan(_q(16, 1), fkv, fp8_group=64, **kw)
     assert "rank" in dw.wgmma_plan(_q(16, 1), torch.empty(4, 64, 256 + 8 + 128, dtype=torch.uint8),
@@ -123,6 +127,37 @@ def test_rs_plan_takes_the_16_row_fp8_launches_its_tma_copies_fit(monkeypatch):
     assert "bytes per token" in dw.rs_plan(torch.empty(4, 64, 650, dtype=torch.uint8), 64)
     monkeypatch.setattr(dw, "WGMMA_RS", False)
     assert "WGMMA_RS is off" in dw.rs_plan(torch.empty(4, 64, 656, dtype=torch.uint8), 64)
+
+
+def test_kt_plan_takes_the_16_row_16_bit_launches_its_tma_copies_fit(monkeypatch):
+    """16-bit launches of the few-row shape (16-row blocks of 64-key tiles, 4 warps) go to the TMA
+    keys-on-M kernel (kernels/decode_wgmma_kt.py) when its boxes can copy the cache: contiguous
+    ``[num_blocks, page, 1, d]``, 16-byte aligned, 16-byte rows, pages that hold whole 64-key
+    tiles or that a tile holds whole in boxes of 8-row multiples; its switch. ``wgmma_plan``
+    gives the reason when not (the Triton kernel then runs the launch), and refuses more query
+    rows than the block."""
+    def cache(page, d=576, dtype=torch.bfloat16, nb=4):
+        return torch.empty(nb, page, 1, d, dtype=dtype)
+
+    for page in (64, 128, 256, 8, 16, 32):
+        assert dw.kt_plan(cache(page), 64) is None, page
+    assert dw.kt_plan(cache(64, dtype=torch.float16), 64) is None
+    assert "multiples of 8" in dw.kt_plan(cache(4), 64)
+    assert "neither a multiple nor a divisor" in dw.kt_plan(cache(48), 64)
+    assert "contiguous" in dw.kt_plan(cache(128)[:, :64], 64)
+    assert "contiguous" in dw.kt_plan(torch.empty(4, 64, 576, dtype=torch.bfloat16), 64)
+    flat = torch.empty(4 * 64 * 576 + 16, dtype=torch.bfloat16)
+    assert "16-byte aligned" in dw.kt_plan(flat[4:4 + 4 * 64 * 576].view(4, 64, 1, 576), 64)
+    assert "bytes per token" in dw.kt_plan(cache(64, d=572), 64)
+    q = torch.empty(2, 1, 16, 576, dtype=torch.bfloat16)
+    plan = functools.partial(dw.wgmma_plan, rank=512, rope_dim=64, block_m=16, block_n=64, num_warps=4,
+                             capability=(9, 0))
+    assert plan(q, cache(64)) is None
+    assert "neither a multiple" in plan(q, cache(48))
+    assert "32 query rows" in plan(torch.empty(2, 2, 16, 576, dtype=torch.bfloat16), cache(64))
+    monkeypatch.setattr(dw, "WGMMA_KT", False)
+    assert "WGMMA_KT is off" in dw.kt_plan(cache(64), 64)
+    assert "WGMMA_KT is off" in plan(q, cache(64))
 
 
 def test_fp8_64_row_blocks_take_the_warp_specialised_kernel(monkeypatch):
@@ -186,12 +221,13 @@ def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
     kernel's 16-row blocks of 64 keys with 4 warps (with ``WGMMA_WS`` off, the keys-on-M
     kernel's 16-row blocks of 128 keys); FP8 at 17-32 rows the 64-row blocks of the
     warp-specialised ``decode_wgmma_ws64`` (with ``WGMMA_WS64`` off, the keys-on-M kernel's
-    32-row blocks); else 64 x 64 (16-bit ones from 17 rows: 16 keep the Triton kernel's
-    blocks) -- and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the 64-row blocks."""
+    32-row blocks); 16-bit ones at up to 16 rows the TMA kernel's 16-row blocks of 64 keys with
+    4 warps; else 64 x 64 -- and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the 64-row
+    blocks."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cases = ((128, 1, torch.bfloat16), (128, 2, torch.bfloat16), (20, 4, torch.bfloat16), (16, 2, torch.bfloat16),
-             (16, 1, torch.uint8), (16, 2, torch.uint8), (20, 1, torch.uint8),
-             (128, 2, torch.uint8), (8, 2, torch.uint8))
+             (16, 1, torch.bfloat16), (8, 1, torch.float16), (16, 1, torch.uint8), (16, 2, torch.uint8),
+             (20, 1, torch.uint8), (128, 2, torch.uint8), (8, 2, torch.uint8))
     for keys, ws, ws64 in itertools.product((True, False), repeat=3):
         monkeypatch.setattr(dw, "WGMMA_KEYS", keys)
         monkeypatch.setattr(dw, "WGMMA_WS", ws)
@@ -202,10 +238,15 @@ def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
             cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=fp8)
             few = keys and fp8 and (rows <= 16 or (rows <= 32 and not ws64))
             want = ((16, 64, 4) if ws and rows <= 16 else ((16 if rows <= 16 else 32), 128, 8)) if few else (64, 64, 8)
+            if not fp8 and rows <= 16:
+                want = (16, 64, 4)
             assert (cfg.block_m, cfg.block_n, cfg.num_warps) == want, (keys, ws, ws64, heads, s_q, cfg)
-            _, kv = _tensors(kv_dtype=kv_dtype)
-            assert dw.wgmma_plan(_q(heads, s_q), kv, rank=512, rope_dim=64, block_m=cfg.block_m,
-                                 block_n=cfg.block_n, num_warps=cfg.num_warps, capability=(9, 0)) is None, cfg
+            # (the TMA kernel takes a [num_blocks, page, 1, d] 16-bit cache, as the backend holds it)
+            kv = (torch.empty(4, 64, 1, 576, dtype=kv_dtype) if not fp8 and rows <= 16 else
+                  _tensors(kv_dtype=kv_dtype)[1])
+            assert dw.wgmma_plan(_q(heads, s_q, kv_dtype if not fp8 else torch.bfloat16), kv, rank=512, rope_dim=64,
+                                 block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                                 capability=(9, 0)) is None, cfg
 
 
 def test_cuda_defaults_keep_the_triton_blocks_for_specs_the_gluon_kernels_do_not_take(monkeypatch):
@@ -257,8 +298,8 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     x 4 tokens leaves padding rows in the last block. The switch decides which kernel runs
     (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the warp-specialised few-row
     kernel at s_q=1, the other FP8 cases the warp-specialised 64-row one, 16-bit ones of more
-    than 64 query rows the ping-pong 64-row one, 16-bit h=16 at s_q=1 the Triton one, the rest
-    the plain 64-row one)."""
+    than 64 query rows the ping-pong 64-row one, 16-bit h=16 at s_q=1 the TMA keys-on-M one, the
+    rest the plain 64-row one)."""
     monkeypatch.setattr(dw, "WGMMA_DECODE", on)
     calls = _spy_wgmma(monkeypatch)
     keys_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_keys")
@@ -266,14 +307,15 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     rs_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_rs")
     ws64_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
     pp_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_pp")
+    kt_calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_kt")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
     few = kv == "fp8" and heads * s_q <= 16
-    # off: the Triton kernel's own blocks for h=16, 64 rows elsewhere; on: 16 rows for FP8 at
-    # h=16 x 1, else 64
+    # off: the Triton kernel's own blocks for h=16, 64 rows elsewhere; on: 16 rows at h=16 x 1
+    # (FP8 and 16-bit), else 64
     triton_blocks = {(16, 1, "fp8"): 16, (16, 2, "bf16"): 32, (16, 1, "bf16"): 16}
-    triton_only = kv != "fp8" and heads * s_q <= 16
-    gluon_block = 16 if few or triton_only else 64
+    few16 = kv != "fp8" and heads * s_q <= 16
+    gluon_block = 16 if few or few16 else 64
     assert cfg.block_m == (triton_blocks.get((heads, s_q, kv), 64) if not on else gluon_block)
     seq = [9000, 1, 0, 63, 64, 65, 2000, 128, 129]
     ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
@@ -284,26 +326,26 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[case.q.dtype], what=f"h={heads} s_q={s_q} page={page} {kv}")
     hopper = torch.cuda.get_device_capability()[0] == 9
     if few:
-        want = (0, 0, 0, 1, 0, 0) if dw.rs_plan(case.kv_cache, cfg.block_n) is None else (0, 0, 1, 0, 0, 0)
+        want = (0, 0, 0, 1, 0, 0, 0) if dw.rs_plan(case.kv_cache, cfg.block_n) is None else (0, 0, 1, 0, 0, 0, 0)
     else:
         # (9 requests: every 16-bit case of two or more row blocks has 16+ pairs)
-        want = (0, 0, 0, 0, 1, 0) if kv == "fp8" else ((0, 0, 0, 0, 0, 1) if heads * s_q > 64 else
-                                                       (0, 0, 0, 0, 0, 0) if triton_only else (1, 0, 0, 0, 0, 0))
-    got = (len(calls), len(keys_calls), len(ws_calls), len(rs_calls), len(ws64_calls), len(pp_calls))
-    assert got == (want if on and hopper else (0, 0, 0, 0, 0, 0))
+        want = (0, 0, 0, 0, 1, 0, 0) if kv == "fp8" else ((0, 0, 0, 0, 0, 1, 0) if heads * s_q > 64 else
+                                                          (0, 0, 0, 0, 0, 0, 1) if few16 else (1, 0, 0, 0, 0, 0, 0))
+    got = (len(calls), len(keys_calls), len(ws_calls), len(rs_calls), len(ws64_calls), len(pp_calls), len(kt_calls))
+    assert got == (want if on and hopper else (0, 0, 0, 0, 0, 0, 0))
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
-def _check_fp8_case(spec, cfg, s_q, page, big_q, parts, seq, seed):
-    """One FP8 case of the FP8 Gluon kernels' tests against mla_ref: requests of ``seq`` keys
-    (every third with one query token, empty ones with none), NaN in every stale slot and
-    padding token; ``big_q``: q times 2**17 and the softmax scale times 2**-17 (the expected
-    result is the unscaled one: powers of two are exact); ``parts``: that many parts instead
-    of ``cfg``'s."""
+def _check_fp8_case(spec, cfg, s_q, page, big_q, parts, seq, seed, kv="fp8"):
+    """One case of the Gluon kernels' tests against mla_ref (an FP8 cache, or ``kv``'s):
+    requests of ``seq`` keys (every third with one query token, empty ones with none), NaN in
+    every stale slot and padding token; ``big_q``: q times 2**17 and the softmax scale times
+    2**-17 (the expected result is the unscaled one: powers of two are exact); ``parts``: that
+    many parts instead of ``cfg``'s."""
     if parts:
         cfg = cfg.with_(num_parts=parts)
     ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
-    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype="fp8", seed=seed,
+    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype=kv, seed=seed,
                      device="cuda")
     big = 2.0 ** 17 if big_q else 1.0
     q, scale = case.q * big, spec.softmax_scale / big
@@ -375,6 +417,37 @@ def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, r
         assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4), cfg
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000],
                         37)
+    assert len(calls) == (1 if hopper else 0)
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
+_KT_CASES = [(16, 1, 64, "bf16"), (16, 1, 16, "bf16"), (16, 1, 128, "fp16"), (8, 1, 32, "bf16"), (8, 2, 64, "bf16"),
+             (12, 1, 64, "fp16"), (16, 1, 8, "bf16")]
+
+
+@pytest.mark.gpu
+# big_q with bf16 caches only: q times 2**17 is past fp16's range (an fp16 q would hold infs)
+@pytest.mark.parametrize("heads,s_q,page,kv,big_q", [c + (False, ) for c in _KT_CASES] +
+                         [c + (True, ) for c in _KT_CASES if c[3] == "bf16"])
+@pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
+def test_decode_wgmma_kt_matches_reference_gpu(heads, s_q, page, kv, big_q, parts, monkeypatch):
+    """The TMA keys-on-M kernel of 16-bit caches (kernels/decode_wgmma_kt.py: a one-warp producer
+    copying each 64-key tile's rows in nine 64-column boxes into a ring of two stages, a
+    consumer warpgroup's dots reading them, as K and transposed as K^T) against mla_ref at
+    DeepSeek size, up to 16 query rows (h=12: 4 padding rows in the block; h=8 x 2 tokens with
+    mixed query lengths); pages of 8-32 keys take one box a page. Lengths around the 64-key
+    tiles and the pages, a 9000-key request split over many parts, empty requests (which both
+    partitions must skip alike), NaN in every stale slot -- which TMA copies and the consumer
+    must zero before PV -- and padding query token; ``big_q`` (bf16 only) and ``parts`` as in the
+    keys-on-M test (3 parts: the stages' phases wrap many times, the producer crosses requests)."""
+    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_kt")
+    spec = ModelSpec(num_heads=heads)
+    cfg = default_config(spec, s_q, torch.device("cuda"))
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if hopper:
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4), cfg
+    _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000],
+                    43, kv=kv)
     assert len(calls) == (1 if hopper else 0)
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
@@ -494,21 +567,23 @@ def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, part
                                                  ("_decode_keys_kernel", 16, 2, "fp8"),
                                                  ("_decode_ws_kernel", 16, 1, "fp8"),
                                                  ("_decode_rs_kernel", 16, 1, "fp8"),
-                                                 ("_decode_ws64_kernel", 128, 1, "fp8")],
-                         ids=["64-row", "pp", "keys", "ws", "rs", "ws64"])
+                                                 ("_decode_ws64_kernel", 128, 1, "fp8"),
+                                                 ("_decode_kt_kernel", 16, 1, "bf16")],
+                         ids=["64-row", "pp", "keys", "ws", "rs", "ws64", "kt"])
 def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monkeypatch):
     """A Gluon kernel failing to build (here: a resource error raised by its launch) gives a
     warning and the Triton kernel's result, for this launch and the next (the ping-pong
     64-row kernel at h=128 bf16, and the plain one with the ping-pong one off; the keys-on-M
     one at h=16 FP8 s_q=2 with the warp-specialised 64-row one off, the register-operand one at
     h=16 FP8 s_q=1 and the warp-specialised few-row one there with it off, the warp-specialised
-    64-row one at h=128 FP8: the CUDA defaults that reach each)."""
+    64-row one at h=128 FP8, the TMA one at h=16 bf16 s_q=1: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
     import kernels.decode_wgmma_keys as dk
     import kernels.decode_wgmma_ws as dws
     import kernels.decode_wgmma_ws64 as dws64
     import kernels.decode_wgmma_pp as dpp
     import kernels.decode_wgmma_rs as drs
+    import kernels.decode_wgmma_kt as dkt
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
     monkeypatch.setattr(dw, "WGMMA_RS", kernel == "_decode_rs_kernel")
     # the 64-row kernel runs 16-bit caches with the ping-pong one switched off; the keys-on-M
@@ -523,7 +598,8 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
             return launch
 
     module = {"_decode_wgmma_kernel": dw, "_decode_keys_kernel": dk, "_decode_ws_kernel": dws,
-              "_decode_ws64_kernel": dws64, "_decode_pp_kernel": dpp, "_decode_rs_kernel": drs}[kernel]
+              "_decode_ws64_kernel": dws64, "_decode_pp_kernel": dpp, "_decode_rs_kernel": drs,
+              "_decode_kt_kernel": dkt}[kernel]
     monkeypatch.setattr(module, kernel, Unbuildable())
     spec = ModelSpec(num_heads=heads)
     # five requests: h=128 x 2 is then 20 (request, row block) pairs, enough for the ping-pong kernel
