@@ -766,11 +766,11 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     blocks always dequantise (``decode_split.GROUPED_MAX_BLOCK_M``), FP8 ones over 128-key
     tiles with P through memory (``decode_split.fp8_p_via_memory``) -- except on Hopper for
     the shapes the Gluon kernels are written for (rank 512 + rope 64, FP8 groups of 128), where
-    64-row blocks of 64-key tiles run the Gluon kernel ``kernels/decode_wgmma.py``, which there
-    also takes h=16 bf16 at s_q=2 (its rows padded to 64; not the sparse decode), and h=16 FP8
+    64-row blocks of 64-key tiles run the Gluon kernel ``kernels/decode_wgmma.py`` (which took
+    h=16 bf16 at s_q=2 too, its rows padded to 64, before the TMA kernel below), and h=16 FP8
     takes the few-row Gluon kernel ``kernels/decode_wgmma_keys.py`` (16/32-row blocks of
-    128-key tiles), and h=16 bf16 / fp16 at s_q=1 the TMA one of ``kernels/decode_wgmma_kt.py``
-    (16-row blocks of 64-key tiles, 4 warps); the combine splits the latent columns in 128s.
+    128-key tiles), and h=16 bf16 / fp16 at s_q 1-2 the TMA one of ``kernels/decode_wgmma_kt.py``
+    (16- or 32-row blocks of 64-key tiles, 4 warps); the combine splits the latent columns in 128s.
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -869,13 +869,14 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
                 # (kernels/decode_wgmma_rs.py) runs these blocks where TMA can copy the cache,
                 # measured at the same parts (1.06-1.31x ws, h100-2026-11-27-kernel-24*.json)
                 block_n, warps, min_tiles = 64, 4, 4
-    if gluon and rows <= 16 and not fp8 and _kt_device():
-        # Hopper, 16-bit cache, up to 16 rows: the TMA keys-on-M Gluon kernel
+    if gluon and rows <= 32 and not fp8 and _kt_device():
+        # Hopper, 16-bit cache, up to 32 rows: the TMA keys-on-M Gluon kernel
         # (kernels/decode_wgmma_kt.py; where decode_wgmma.kt_plan refuses the cache, the Triton
-        # kernel runs these blocks), parts of four 64-key tiles (the Triton blocks' 256 keys):
-        # 1.00-1.24x the Triton defaults above over B 1-128, L 1k-16k, geo-mean 1.13
-        # (h100-2026-11-27-wgmma-kt-ab.json)
-        block_m, block_n, warps, stages, min_tiles = 16, 64, 4, 1, 4
+        # kernel runs these blocks) in 16- or 32-row blocks, parts of four 64-key tiles (the
+        # Triton blocks' 256 keys). Over B 1-128, L 1k-16k (h100-2026-11-27-wgmma-kt-ab.json):
+        # 16 rows 1.00-1.24x the Triton defaults above, geo-mean 1.13; 32 rows 1.01-1.26x the
+        # 64-row Gluon blocks above (parts of two tiles: 0.86x at B=1, L=16k)
+        block_m, block_n, warps, stages, min_tiles = (16 if rows <= 16 else 32), 64, 4, 1, 4
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x

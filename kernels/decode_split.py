@@ -210,11 +210,11 @@ warp-specialised counterpart, ``kernels/decode_wgmma_ws64.py`` (a producer parti
 dequantises the next tile while the dots run), and 16-bit ones of two or more row blocks (and
 16+ request x row-block pairs) to the ping-pong ``kernels/decode_wgmma_pp.py`` (its two
 warpgroups on alternate tiles; ``decode_wgmma.pp_taken``). There the CUDA defaults
-(``config.default_config``) give them h=128 (bf16, fp16, FP8) and h=16 bf16 at s_q=2,
-padding rows and all; h=16 FP8 (16-32 rows, bf16 queries) takes the few-row Gluon kernel of
-``kernels/decode_wgmma_keys.py`` (16/32-row blocks of 128-key tiles; the same plan, keys on
-the wgmma M axis). This kernel still serves every other launch (h=16 bf16 at s_q=1, fp16
-queries on an FP8 cache, configs the Gluon kernels are not written for), every other GPU
+(``config.default_config``) give them h=128 (bf16, fp16, FP8); h=16 FP8 (16-32 rows, bf16
+queries) takes the few-row Gluon kernels (``kernels/decode_wgmma_keys.py`` and its successors:
+the same plan, keys on the wgmma M axis), h=16 bf16 / fp16 the TMA one of
+``kernels/decode_wgmma_kt.py``. This kernel still serves every other launch (fp16
+queries on an FP8 cache, 16-bit caches TMA cannot copy, configs the Gluon kernels are not written for), every other GPU
 and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at h=16
 describe it (measured with the Gluon kernels off or before they existed).
 

@@ -84,8 +84,8 @@ dequantises the next tile while the dots run: 1.06-1.30x this kernel's FP8 at h=
 ``WGMMA_PP`` is on, which the ping-pong ``kernels/decode_wgmma_pp.py`` runs (its two
 warpgroups on alternate tiles: 0.94-1.42x this kernel at h=128, ``pp_taken``); on such a
 device ``config.default_config`` gives it h=128 (bf16,
-fp16, FP8: 64-key tiles) and h=16 bf16 at s_q=2 (32 query rows in a 64-row block, the rest
-masked padding; the part sizes are in that function). h=16 FP8 takes a few-row kernel
+fp16, FP8: 64-key tiles; the part sizes are in that function), and h=16 bf16 at s_q=2 (32 query
+rows in a 64-row block, the rest masked padding) with ``WGMMA_KT`` off. h=16 FP8 takes a few-row kernel
 instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the register-operand one of
 ``kernels/decode_wgmma_rs.py`` where its TMA copies apply (switch ``WGMMA_RS``, ``rs_plan``),
 else the warp-specialised one of ``kernels/decode_wgmma_ws.py`` (switch ``WGMMA_WS``, which
@@ -93,7 +93,8 @@ turns both off), at s_q=2 -- and at s_q=1 with that switch
 off -- the keys-on-M one of ``kernels/decode_wgmma_keys.py`` (this kernel ran both before, padded
 to 64 rows, and still does with ``WGMMA_KEYS`` off). h=16 bf16 / fp16 at s_q=1 takes the TMA
 keys-on-M kernel of ``kernels/decode_wgmma_kt.py`` where its copies apply (switch ``WGMMA_KT``,
-``kt_plan``; else, and with the switch off, the Triton kernel). It is
+``kt_plan``; else, and with the switch off, the Triton kernel), and at s_q=2 too (32-row blocks;
+with the switch off, this kernel). It is
 written against Triton 3.6's Gluon, an experimental API: if it fails to build with the
 installed Triton (a compile or resource error, raised before anything is launched), the
 first launch warns and it and every later one take the Triton kernel (``mark_unavailable``).
@@ -171,7 +172,8 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
     caches); 16- or 32-row blocks of 128-key tiles with 8 warps holding all ``s_q * h`` query
     rows (FP8 only: ``decode_wgmma_keys``, switch ``WGMMA_KEYS``); 16-row blocks of 64-key tiles
     with 4 warps holding them all (FP8: the warp-specialised ``decode_wgmma_ws``, switch
-    ``WGMMA_WS``; 16-bit: the TMA ``decode_wgmma_kt`` where ``kt_plan`` admits the cache).
+    ``WGMMA_WS``; 16-bit, also 32-row blocks: the TMA ``decode_wgmma_kt`` where ``kt_plan`` admits
+    the cache).
 
     q ``[B, s_q, h, rank + rope]`` (bf16 / fp16 take it); kv_cache ``[num_blocks, page,
     rank + rope]`` of q's dtype, or uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``
@@ -208,19 +210,20 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
         return f"rank {rank} + rope {rope_dim} (the shared-memory budget is sized for 512 + 64)"
     if (block_m, block_n, num_warps) == (64, 64, 8):
         return None
+    if block_m in (16, 32) and (block_n, num_warps) == (WS_BLOCK_N, WS_WARPS) and kv_cache.dtype != torch.uint8:
+        # a 16-bit cache: the TMA keys-on-M kernel (kernels/decode_wgmma_kt.py)
+        if q.shape[1] * q.shape[2] > block_m:
+            return f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the TMA kernel takes one block)"
+        return kt_plan(kv_cache, block_n)
     if (block_m, block_n, num_warps) == (16, WS_BLOCK_N, WS_WARPS):
-        if kv_cache.dtype != torch.uint8:
-            # a 16-bit cache: the TMA keys-on-M kernel (kernels/decode_wgmma_kt.py)
-            if q.shape[1] * q.shape[2] > block_m:
-                return f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the TMA kernel takes one block)"
-            return kt_plan(kv_cache, block_n)
         # the warp-specialised few-row FP8 kernel (kernels/decode_wgmma_ws.py)
         return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_WS", WGMMA_WS, "warp-specialised")
     if block_n == KEYS_BLOCK_N and block_m in (16, 32) and num_warps == 8:
         # the few-row FP8 kernel, keys on the wgmma M axis (kernels/decode_wgmma_keys.py)
         return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_KEYS", WGMMA_KEYS, "keys-on-M")
     return (f"block {block_m}x{block_n} with {num_warps} warps (these kernels are 64x64, or for FP8 16/32 rows "
-            f"x {KEYS_BLOCK_N} keys with 8 warps or 16 rows x {WS_BLOCK_N} keys with {WS_WARPS})")
+            f"x {KEYS_BLOCK_N} keys with 8 warps, 16 rows x {WS_BLOCK_N} keys with {WS_WARPS}, for 16-bit caches "
+            f"16/32 rows x {WS_BLOCK_N} keys with {WS_WARPS})")
 
 
 def ws64_taken(kv_cache: torch.Tensor) -> bool:
@@ -246,11 +249,20 @@ def rs_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
         return "this Triton's Gluon has no TMA tensor descriptor"
     if kv_cache.dim() != 3 or not kv_cache.is_contiguous():
         return "cache not a contiguous [num_blocks, page_size, bytes_per_token] tensor"
-    nb, page, token = kv_cache.shape
+    return _tma_rows_reason(kv_cache, kv_cache.shape[-1], block_n)
+
+
+def _tma_rows_reason(kv_cache: torch.Tensor, token_bytes: int, block_n: int) -> Optional[str]:
+    """What keeps TMA from copying ``block_n``-key tiles of a contiguous cache (``[num_blocks,
+    page, ...]``, ``token_bytes`` a key) in boxes of ``min(page, block_n)`` rows a page into
+    128-byte-swizzled shared memory (``rs_plan``, ``kt_plan``): a base not 16-byte aligned, rows
+    not a multiple of 16 bytes, pages that neither hold whole tiles nor fit whole in one, boxes
+    not a multiple of the swizzle's 8 rows, more rows than an int32 coordinate. None: nothing."""
+    nb, page = kv_cache.shape[0], kv_cache.shape[1]
     if kv_cache.data_ptr() % 16:
         return "cache base not 16-byte aligned (TMA)"
-    if token % 16:
-        return f"{token} bytes per token: TMA rows need a multiple of 16"
+    if token_bytes % 16:
+        return f"{token_bytes} bytes per token: TMA rows need a multiple of 16"
     if page % block_n and block_n % page:
         return f"page size {page} neither a multiple nor a divisor of the {block_n}-key tile"
     if min(page, block_n) % 8:
@@ -261,8 +273,8 @@ def rs_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
 
 
 def kt_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
-    """None when a 16-bit launch of ``wgmma_plan``'s few-row shape (16-row blocks of ``block_n``-key
-    tiles, 4 warps) can run ``decode_wgmma_kt``, else the reason it cannot (static, capture-time
+    """None when a 16-bit launch of ``wgmma_plan``'s few-row shape (16- or 32-row blocks of
+    ``block_n``-key tiles, 4 warps) can run ``decode_wgmma_kt``, else the reason it cannot (static, capture-time
     facts only; the launch then takes the Triton kernel). kv_cache: bf16 / fp16 ``[num_blocks,
     page, 1, d_qk]``.
 
@@ -276,18 +288,7 @@ def kt_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
         return "this Triton's Gluon has no TMA tensor descriptor"
     if kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or not kv_cache.is_contiguous():
         return "cache not a contiguous [num_blocks, page_size, 1, d_qk] tensor"
-    nb, page, _, d = kv_cache.shape
-    if kv_cache.data_ptr() % 16:
-        return "cache base not 16-byte aligned (TMA)"
-    if (d * kv_cache.element_size()) % 16:
-        return f"{d * kv_cache.element_size()} bytes per token: TMA rows need a multiple of 16"
-    if page % block_n and block_n % page:
-        return f"page size {page} neither a multiple nor a divisor of the {block_n}-key tile"
-    if min(page, block_n) % 8:
-        return f"TMA boxes of {min(page, block_n)} rows (the 128-byte swizzle takes multiples of 8)"
-    if nb * page >= 2 ** 31:
-        return "more than 2**31 cache rows (TMA coordinates are int32)"
-    return None
+    return _tma_rows_reason(kv_cache, kv_cache.shape[-1] * kv_cache.element_size(), block_n)
 
 
 def pp_taken(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -1,26 +1,29 @@
-"""Hopper split-KV decode of a 16-bit cache for up to 16 query rows: TMA copies of the cache rows,
+"""Hopper split-KV decode of a 16-bit cache for up to 32 query rows: TMA copies of the cache rows,
 keys on the wgmma M axis (Gluon, GPU only).
 
 The same contract, plan and stores as ``decode_split._decode_split_kernel`` (grid ``(num_parts,
 1)``; a request that is not split stores ``out``/``lse``, a split one its fp32 partial), for a
-bf16 / fp16 cache with q of its dtype and ``s_q * h <= 16`` query rows (h=16 at s_q=1). With
-``R`` query rows and a 64-key tile, the dots put the keys on wgmma's M axis (64, its minimum)
-and the query rows on N, so no row of a dot is padding::
+bf16 / fp16 cache with q of its dtype and ``s_q * h <= 32`` query rows (h=16 at s_q 1-2) in one
+16- or 32-row block. With ``R`` query rows and a 64-key tile, the dots put the keys on wgmma's M
+axis (64, its minimum) and the query rows on N, so no row of a dot is padding::
 
     S^T   [64, R]   = sum_c K_c [64, 64] @ Q_c^T [64, R]      (c: eight latent chunks, the rope)
     acc^T [512, R] += per latent chunk c: K_c^T [64, 64] @ P^T [64, R]
 
-Why: this shape ran the Triton kernel (``decode_split``; 128-key tiles, 8 warps), whose fixed
-cost a launch was about twice the FP8 kernels' (``h100-2026-11-27-fixed-cost.json``, B=32: its
-decode took 15.5 us plus 6.5 a 128-key tile per part, the FP8 few-row kernel's 6.8 plus 2.7 a
-64-key tile); the 64-row Gluon kernel would leave three quarters of its rows as padding (it ran
-0.84-1.08x the Triton kernel, ``config.default_config``).
+Why: at 16 rows this shape ran the Triton kernel (``decode_split``; 128-key tiles, 8 warps),
+whose fixed cost a launch was about twice the FP8 kernels' (``h100-2026-11-27-fixed-cost.json``,
+B=32: its decode took 15.5 us plus 6.5 a 128-key tile per part, the FP8 few-row kernel's 6.8
+plus 2.7 a 64-key tile); the 64-row Gluon kernel would leave three quarters of its rows as
+padding (it ran 0.84-1.08x the Triton kernel, ``config.default_config``). At 32 rows the 64-row
+kernel ran them, half its rows padding.
 
 Measured on an H100, against that route interleaved in one process (bf16 h=16 s_q=1, B 1-128,
 L 1k-16k, ``benchmarks/results/h100-2026-11-27-wgmma-kt-ab.json``): 1.00-1.24x, geo-mean 1.13;
 B=8, L=16k 78.2 -> 67.6 us (64% -> 74% of the copy rate), B=128, L=1k 74.3 -> 64.6 us (69% ->
-80%), 99% of the copy rate at B=128, L=16k. Mutants (same json): seven, all caught by
-``tests/test_kernels_wgmma.py::test_decode_wgmma_kt_matches_reference_gpu``.
+80%), 99% of the copy rate at B=128, L=16k. At 32 rows (bf16 h=16 s_q=2, against the 64-row
+kernel, same json): 1.01-1.26x, B=1, L=1k 24.9 -> 19.8 us, B=128, L=1k 72.4 -> 69.1 us; it
+spills 40 bytes a consumer thread there (eight [64, 32] fp32 accumulators). Mutants (same json):
+seven, all caught by ``tests/test_kernels_wgmma.py::test_decode_wgmma_kt_matches_reference_gpu``.
 
 - A one-warp *producer* issues TMA copies of each tile's rows -- nine ``[rows, 64]`` boxes
   (eight of the latent, one of the rope), 128-byte swizzle, one set a page when a page holds
@@ -37,7 +40,7 @@ the softmax (P = 0), but 0 times a NaN is a NaN: in a request's last, partial ti
 zeroes those keys' latent rows before the dots.
 
 Taken by ``decode_split.launch_decode_split`` for 16-bit launches of ``decode_wgmma.wgmma_plan``'s
-few-row shape (16-row blocks of 64 keys, 4 warps) where ``decode_wgmma.kt_plan`` admits the cache
+few-row shape (16- or 32-row blocks of 64 keys, 4 warps) where ``decode_wgmma.kt_plan`` admits the cache
 (TMA's constraints; switch ``WGMMA_KT``); a build failure falls back to the Triton kernel as for
 the other Gluon kernels.
 """
@@ -58,7 +61,7 @@ except Exception:  # pragma: no cover - a Gluon without host-side TMA descriptor
     TensorDescriptor = None
 
 from .gluon_parts import (part_bounds, request_span, row_copy_layout, softmax_keys_step, start_request_rows,
-                          store_keys_lse, store_keys_part, wait_prior_grid, wgmma_layout)
+                          store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_kt", "kt_descriptor", "kt_descriptors_available", "KT_STAGES", "KT_CHUNK"]
@@ -78,40 +81,26 @@ KT_MAXNREG = 232
 if gluon is not None:
 
     @gluon.jit
+    def _kt_copy_boxes(descs, bufs, row, bar, s, r0, NS: gl.constexpr):
+        # one box of a tile (gluon_parts.tma_tile_walk): cache rows [row, row + SUB) into rows
+        # [r0, r0 + SUB) of stage s, one box a 64-column chunk (the latent's eight, the rope)
+        k_desc, = descs
+        k_s, = bufs
+        NC: gl.constexpr = k_s.shape[0] // NS
+        SUB: gl.constexpr = k_desc.block_shape[0]
+        CH: gl.constexpr = k_desc.block_shape[1]
+        for c in gl.static_range(NC):
+            tma.async_copy_global_to_shared(k_desc, [row, c * CH], bar, k_s.index(s * NC + c).slice(r0, SUB))
+
+    @gluon.jit
     def _kt_producer(k_desc, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_s, ready, empty,
                      PAGE: gl.constexpr, NC: gl.constexpr, BLOCK_N: gl.constexpr, NS: gl.constexpr,
                      PDL: gl.constexpr):
         wait_prior_grid(PDL)  # this partition's warps too (kernels/pdl.py)
-        CH: gl.constexpr = k_desc.block_shape[1]
-        SUB: gl.constexpr = k_desc.block_shape[0]
-        TILE_BYTES: gl.constexpr = BLOCK_N * NC * CH * 2
-        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
-        it = 0
-        for b in range(b_first, b_last + 1):
-            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
-                                                          nsplit_ptr, off_ptr, BLOCK_N)
-            bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-            # a page holding whole tiles: its number read a tile ahead, off the copies' path
-            pg = gl.load(bt_row + (t0 * BLOCK_N) // PAGE, mask=(t0 < t1) & (SUB == BLOCK_N), other=0)
-            for tile in range(t0, t1):
-                s = it % NS
-                key0 = tile * BLOCK_N
-                if SUB == BLOCK_N:
-                    page = pg
-                    pg = gl.load(bt_row + (key0 + BLOCK_N) // PAGE, mask=tile + 1 < t1, other=0)
-                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), TILE_BYTES)
-                # a box of SUB rows per page the tile touches and chunk (a page past the request's
-                # keys: page 0's rows, zeroed by the consumer before any dot)
-                for j in gl.static_range(BLOCK_N // SUB):
-                    key = key0 + j * SUB
-                    if SUB < BLOCK_N:
-                        page = gl.load(bt_row + key // PAGE, mask=key < seq_len, other=0)
-                    row = page * PAGE + key % PAGE
-                    for c in gl.static_range(NC):
-                        tma.async_copy_global_to_shared(k_desc, [row, c * CH], ready.index(s),
-                                                        k_s.index(s * NC + c).slice(j * SUB, SUB))
-                it += 1
+        # (a box past the request's keys copies page 0's rows, zeroed by the consumer before any dot)
+        tma_tile_walk(_kt_copy_boxes, (k_desc, ), (k_s, ), bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr,
+                      bt_stride, ready, empty, BLOCK_N * NC * k_desc.block_shape[1] * 2, k_desc.block_shape[0], PAGE,
+                      BLOCK_N, NS)
 
     @gluon.jit
     def _kt_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
@@ -207,22 +196,10 @@ if gluon is not None:
                 l_safe = gl.where(has_keys, l_i, 1.0)
                 lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
                 inv_o = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(0, OUT_L))
-                _kt_store(a0, 0, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
-                _kt_store(a1, 1, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
-                _kt_store(a2, 2, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
-                _kt_store(a3, 3, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
-                _kt_store(a4, 4, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
-                _kt_store(a5, 5, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
-                _kt_store(a6, 6, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
-                _kt_store(a7, 7, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS, RANK,
-                          OUT_L)
+                accs = (a0, a1, a2, a3, a4, a5, a6, a7)
+                for c in gl.static_range(NL):
+                    _kt_store(accs[c], c, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS,
+                              RANK, OUT_L)
                 store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)
 
     @gluon.jit
@@ -288,7 +265,7 @@ def launch_decode_wgmma_kt(q, kv_cache, block_table, cache_seqlens, ctx_lens, ct
                            rank: int, rope_dim: int, fp8_group: int, block_m: int, block_n: int) -> None:
     """Launch this kernel (arguments as ``decode_split.launch_decode_split``; the caller has checked
     ``decode_wgmma.wgmma_plan`` and ``decode_wgmma.kt_plan``). Shapes: q ``[B, s_q, h, rank + rope]``
-    of the cache's dtype with ``s_q * h <= block_m`` (16); kv_cache bf16 / fp16 ``[num_blocks,
+    of the cache's dtype with ``s_q * h <= block_m`` (16 or 32); kv_cache bf16 / fp16 ``[num_blocks,
     page, 1, rank + rope]``; block_n 64; the rest as the Triton launcher."""
     num_parts = part_info.shape[0] - 1
     pdl = pdl_on(q)

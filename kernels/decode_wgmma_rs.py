@@ -96,7 +96,7 @@ except Exception:  # pragma: no cover - a Gluon without host-side TMA descriptor
     TensorDescriptor = None
 
 from .gluon_parts import (copy_q_rope_now, part_bounds, request_span, row_copy_layout, softmax_keys_step,
-                          store_keys_lse, store_keys_part, wait_prior_grid, wgmma_layout)
+                          store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_rs", "rs_descriptors", "rs_descriptors_available", "RS_STAGES"]
@@ -207,45 +207,31 @@ if gluon is not None:
         return gl.convert_layout(gl.reshape(v, [a.shape[0], a.shape[1]]), OUT_L, assert_trivial=True)
 
     @gluon.jit
+    def _rs_copy_boxes(descs, bufs, row, bar, s, r0, NS: gl.constexpr):
+        # one box of a tile (tma_tile_walk): cache rows [row, row + SUB) into rows [r0, r0 + SUB) of
+        # stage s -- the codes as NG int32 boxes (a scale group each), the fp32 scales, the bf16 rope
+        codes_desc, scales_desc, rope_desc = descs
+        codes_s, sc_s, rope_s = bufs
+        SUB: gl.constexpr = codes_desc.block_shape[0]
+        GW: gl.constexpr = codes_desc.block_shape[1]
+        NG: gl.constexpr = sc_s.shape[2]
+        for g in gl.static_range(NG):
+            tma.async_copy_global_to_shared(codes_desc, [row, g * GW], bar, codes_s.index(s * NG + g).slice(r0, SUB))
+        tma.async_copy_global_to_shared(scales_desc, [row, NG * GW], bar, sc_s.index(s).slice(r0, SUB))
+        tma.async_copy_global_to_shared(rope_desc, [row, (4 * NG * GW + 4 * NG) // 2], bar,
+                                        rope_s.index(s).slice(r0, SUB))
+
+    @gluon.jit
     def _rs_producer(codes_desc, scales_desc, rope_desc, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride,
                      codes_s, sc_s, rope_s, ready, empty, PAGE: gl.constexpr, RANK: gl.constexpr,
                      GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NS: gl.constexpr, PDL: gl.constexpr):
         wait_prior_grid(PDL)  # this partition's warps too (kernels/pdl.py)
         NG: gl.constexpr = RANK // GROUP
-        GW: gl.constexpr = GROUP // 4
         TILE_BYTES: gl.constexpr = BLOCK_N * (RANK + 4 * NG) + rope_s.shape[1] * rope_s.shape[2] * 2
-        SUB: gl.constexpr = codes_desc.block_shape[0]
-        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
-        it = 0
-        for b in range(b_first, b_last + 1):
-            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
-                                                          nsplit_ptr, off_ptr, BLOCK_N)
-            bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-            # a page holding whole tiles: its number read a tile ahead, off the copies' path
-            pg = gl.load(bt_row + (t0 * BLOCK_N) // PAGE, mask=(t0 < t1) & (SUB == BLOCK_N), other=0)
-            for tile in range(t0, t1):
-                s = it % NS
-                key0 = tile * BLOCK_N
-                if SUB == BLOCK_N:
-                    page = pg
-                    pg = gl.load(bt_row + (key0 + BLOCK_N) // PAGE, mask=tile + 1 < t1, other=0)
-                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), TILE_BYTES)
-                # a box of SUB rows a page the tile touches (a page past the request's keys:
-                # page 0's rows, never read unmasked)
-                for j in gl.static_range(BLOCK_N // SUB):
-                    key = key0 + j * SUB
-                    if SUB < BLOCK_N:
-                        page = gl.load(bt_row + key // PAGE, mask=key < seq_len, other=0)
-                    row = page * PAGE + key % PAGE
-                    for g in gl.static_range(NG):
-                        tma.async_copy_global_to_shared(codes_desc, [row, g * GW], ready.index(s),
-                                                        codes_s.index(s * NG + g).slice(j * SUB, SUB))
-                    tma.async_copy_global_to_shared(scales_desc, [row, RANK // 4], ready.index(s),
-                                                    sc_s.index(s).slice(j * SUB, SUB))
-                    tma.async_copy_global_to_shared(rope_desc, [row, (RANK + 4 * NG) // 2], ready.index(s),
-                                                    rope_s.index(s).slice(j * SUB, SUB))
-                it += 1
+        # (a box past the request's keys copies page 0's rows, never read unmasked)
+        tma_tile_walk(_rs_copy_boxes, (codes_desc, scales_desc, rope_desc), (codes_s, sc_s, rope_s), bt_ptr, seq_ptr,
+                      part_ptr, nsplit_ptr, off_ptr, bt_stride, ready, empty, TILE_BYTES, codes_desc.block_shape[0],
+                      PAGE, BLOCK_N, NS)
 
     @gluon.jit
     def _rs_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,

@@ -36,15 +36,15 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
 __all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "program_rows",
-           "request_span", "tile_page", "key_rows", "q_rows_to_fp16", "copy_q_rope_now", "softmax_keys_step", "store_keys_result",
-           "store_keys_part", "store_keys_lse", "copy_q_rows", "start_request_rows", "softmax_rows_step",
-           "store_rows_result"]
+           "request_span", "tma_tile_walk", "tile_page", "key_rows", "q_rows_to_fp16", "copy_q_rope_now",
+           "softmax_keys_step", "store_keys_result", "store_keys_part", "store_keys_lse", "copy_q_rows",
+           "start_request_rows", "softmax_rows_step", "store_rows_result"]
 
 if gluon is not None:
 
@@ -114,6 +114,43 @@ if gluon is not None:
         nsplit = gl.load(nsplit_ptr + b)
         p_row = gl.load(off_ptr + b) + gl.where(b == b_first, j_first, 0)
         return seq_len, t0, t1, nsplit, p_row
+
+    @gluon.jit
+    def tma_tile_walk(copy_boxes: gl.constexpr, descs, bufs, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr,
+                      bt_stride, ready, empty, TILE_BYTES: gl.constexpr, SUB: gl.constexpr, PAGE: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NS: gl.constexpr):
+        """The walk of a TMA producer (one warp) over the key tiles of its part (``program_id(0)``;
+        ``part_bounds``, ``request_span``) into a ring of ``NS`` stages with an mbarrier pair each
+        (``ready`` / ``empty``: int64 ``[NS, 1]``). Per tile: waits for its stage ``s`` to be free,
+        expects ``TILE_BYTES`` on ``ready[s]``, and for each box of ``SUB`` keys -- one a page where
+        a page holds fewer than ``BLOCK_N`` keys, else the tile -- calls ``copy_boxes(descs, bufs,
+        row, ready[s], s, r0, NS)`` to issue the copies of cache rows ``[row, row + SUB)`` into rows
+        ``[r0, r0 + SUB)`` of stage ``s`` (``descs`` / ``bufs``: the kernel's TMA descriptors and
+        shared buffers, tuples). Rows are ``page * PAGE + key % PAGE`` through the request's
+        block-table row (``bt_ptr``, ``bt_stride``); a page holding whole tiles is read a tile
+        ahead, off the copies' path; a box past the request's keys copies page 0's rows, which the
+        consumer must mask."""
+        b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
+        it = 0
+        for b in range(b_first, b_last + 1):
+            seq_len, t0, t1, nsplit, p_row = request_span(b, b_first, t_first, j_first, b_end, t_end, seq_ptr,
+                                                          nsplit_ptr, off_ptr, BLOCK_N)
+            bt_row = bt_ptr + b.to(gl.int64) * bt_stride
+            pg = gl.load(bt_row + (t0 * BLOCK_N) // PAGE, mask=(t0 < t1) & (SUB == BLOCK_N), other=0)
+            for tile in range(t0, t1):
+                s = it % NS
+                key0 = tile * BLOCK_N
+                if SUB == BLOCK_N:
+                    page = pg
+                    pg = gl.load(bt_row + (key0 + BLOCK_N) // PAGE, mask=tile + 1 < t1, other=0)
+                mbarrier.wait(empty.index(s), ((it // NS) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), TILE_BYTES)
+                for j in gl.static_range(BLOCK_N // SUB):
+                    key = key0 + j * SUB
+                    if SUB < BLOCK_N:
+                        page = gl.load(bt_row + key // PAGE, mask=key < seq_len, other=0)
+                    copy_boxes(descs, bufs, page * PAGE + key % PAGE, ready.index(s), s, j * SUB, NS)
+                it += 1
 
     @gluon.jit
     def tile_page(bt_row, tile, t1, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):

@@ -397,8 +397,8 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     assert (h128.block_m, h128.block_n, h128.min_tiles_per_part) == (64, 128, 1)
     assert default_config(h16, 2, cuda).block_m == 32  # bf16 keeps its 32-row block
     # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, bf16 s_q=2 included (parts of
-    # 4 tiles at bf16's 32 rows, else 2); bf16 at 16 rows the TMA Gluon kernel's 16-row blocks of
-    # 64 keys (below); FP8 h=16 the warp-specialised Gluon
+    # 4 tiles at bf16's 32 rows, else 2) -- bf16 at 16 and 32 rows the TMA Gluon kernel's 16- and
+    # 32-row blocks of 64 keys with 4 warps (parts of 4 tiles); FP8 h=16 the warp-specialised Gluon
     # kernel's 16-row blocks of 64 keys at s_q=1 (4 warps, parts of 4 tiles) and the 64-row
     # blocks (parts of 2) at s_q=2; the keys-on-M one's 16-row blocks of 128 keys with the
     # first off (parts of 2), its 32-row ones at s_q=2 with the warp-specialised 64-row kernel
@@ -406,7 +406,7 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     monkeypatch.setattr(dw, "WGMMA_DECODE", True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     for heads, s_q, fp8, block, min_tiles in ((16, 1, True, (16, 64, 4), 4), (16, 2, True, (64, 64, 8), 2),
-                                              (16, 2, False, (64, 64, 8), 4), (128, 1, True, (64, 64, 8), 2),
+                                              (16, 2, False, (32, 64, 4), 4), (128, 1, True, (64, 64, 8), 2),
                                               (128, 2, True, (64, 64, 8), 2), (128, 2, False, (64, 64, 8), 2)):
         cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8)
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (*block, min_tiles), cfg
@@ -431,6 +431,8 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     monkeypatch.setattr(dw, "WGMMA_KT", False)
     cfg = default_config(h16, 1, cuda)
     assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (16, 128, 8, 2), cfg
+    cfg = default_config(h16, 2, cuda)  # 32 rows: the 64-row Gluon kernel's blocks
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (64, 64, 8, 4), cfg
     monkeypatch.setattr(dw, "WGMMA_KT", True)
     # the sparse decode (its own kernel) keeps its blocks
     assert default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True, sparse=True).block_n == 128

@@ -130,7 +130,7 @@ def test_rs_plan_takes_the_16_row_fp8_launches_its_tma_copies_fit(monkeypatch):
 
 
 def test_kt_plan_takes_the_16_row_16_bit_launches_its_tma_copies_fit(monkeypatch):
-    """16-bit launches of the few-row shape (16-row blocks of 64-key tiles, 4 warps) go to the TMA
+    """16-bit launches of the few-row shape (16- or 32-row blocks of 64-key tiles, 4 warps) go to the TMA
     keys-on-M kernel (kernels/decode_wgmma_kt.py) when its boxes can copy the cache: contiguous
     ``[num_blocks, page, 1, d]``, 16-byte aligned, 16-byte rows, pages that hold whole 64-key
     tiles or that a tile holds whole in boxes of 8-row multiples; its switch. ``wgmma_plan``
@@ -155,6 +155,9 @@ def test_kt_plan_takes_the_16_row_16_bit_launches_its_tma_copies_fit(monkeypatch
     assert plan(q, cache(64)) is None
     assert "neither a multiple" in plan(q, cache(48))
     assert "32 query rows" in plan(torch.empty(2, 2, 16, 576, dtype=torch.bfloat16), cache(64))
+    assert plan(torch.empty(2, 2, 16, 576, dtype=torch.bfloat16), cache(64), block_m=32) is None
+    assert "48 query rows" in plan(torch.empty(2, 3, 16, 576, dtype=torch.bfloat16), cache(64), block_m=32)
+    assert "block 32x64" in plan(q, torch.empty(4, 64, 656, dtype=torch.uint8), block_m=32)  # not for FP8
     monkeypatch.setattr(dw, "WGMMA_KT", False)
     assert "WGMMA_KT is off" in dw.kt_plan(cache(64), 64)
     assert "WGMMA_KT is off" in plan(q, cache(64))
@@ -221,9 +224,9 @@ def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
     kernel's 16-row blocks of 64 keys with 4 warps (with ``WGMMA_WS`` off, the keys-on-M
     kernel's 16-row blocks of 128 keys); FP8 at 17-32 rows the 64-row blocks of the
     warp-specialised ``decode_wgmma_ws64`` (with ``WGMMA_WS64`` off, the keys-on-M kernel's
-    32-row blocks); 16-bit ones at up to 16 rows the TMA kernel's 16-row blocks of 64 keys with
-    4 warps; else 64 x 64 -- and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the 64-row
-    blocks."""
+    32-row blocks); 16-bit ones at up to 32 rows the TMA kernel's 16- or 32-row blocks of 64
+    keys with 4 warps; else 64 x 64 -- and with ``WGMMA_KEYS`` off, FP8 at h=16 goes back to the
+    64-row blocks."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cases = ((128, 1, torch.bfloat16), (128, 2, torch.bfloat16), (20, 4, torch.bfloat16), (16, 2, torch.bfloat16),
              (16, 1, torch.bfloat16), (8, 1, torch.float16), (16, 1, torch.uint8), (16, 2, torch.uint8),
@@ -238,11 +241,11 @@ def test_cuda_defaults_at_64_rows_fit_the_wgmma_kernel(monkeypatch):
             cfg = default_config(ModelSpec(num_heads=heads), s_q, torch.device("cuda"), fp8=fp8)
             few = keys and fp8 and (rows <= 16 or (rows <= 32 and not ws64))
             want = ((16, 64, 4) if ws and rows <= 16 else ((16 if rows <= 16 else 32), 128, 8)) if few else (64, 64, 8)
-            if not fp8 and rows <= 16:
-                want = (16, 64, 4)
+            if not fp8 and rows <= 32:
+                want = ((16 if rows <= 16 else 32), 64, 4)
             assert (cfg.block_m, cfg.block_n, cfg.num_warps) == want, (keys, ws, ws64, heads, s_q, cfg)
             # (the TMA kernel takes a [num_blocks, page, 1, d] 16-bit cache, as the backend holds it)
-            kv = (torch.empty(4, 64, 1, 576, dtype=kv_dtype) if not fp8 and rows <= 16 else
+            kv = (torch.empty(4, 64, 1, 576, dtype=kv_dtype) if not fp8 and rows <= 32 else
                   _tensors(kv_dtype=kv_dtype)[1])
             assert dw.wgmma_plan(_q(heads, s_q, kv_dtype if not fp8 else torch.bfloat16), kv, rank=512, rope_dim=64,
                                  block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
@@ -298,7 +301,7 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     x 4 tokens leaves padding rows in the last block. The switch decides which kernel runs
     (on a Hopper GPU the Gluon ones are the default: h=16 FP8 the warp-specialised few-row
     kernel at s_q=1, the other FP8 cases the warp-specialised 64-row one, 16-bit ones of more
-    than 64 query rows the ping-pong 64-row one, 16-bit h=16 at s_q=1 the TMA keys-on-M one, the
+    than 64 query rows the ping-pong 64-row one, 16-bit h=16 at s_q 1-2 the TMA keys-on-M one, the
     rest the plain 64-row one)."""
     monkeypatch.setattr(dw, "WGMMA_DECODE", on)
     calls = _spy_wgmma(monkeypatch)
@@ -312,10 +315,10 @@ def test_decode_wgmma_matches_reference_gpu(heads, s_q, page, kv, on, monkeypatc
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
     few = kv == "fp8" and heads * s_q <= 16
     # off: the Triton kernel's own blocks for h=16, 64 rows elsewhere; on: 16 rows at h=16 x 1
-    # (FP8 and 16-bit), else 64
+    # (FP8 and 16-bit), 32 at 16-bit h=16 x 2, else 64
     triton_blocks = {(16, 1, "fp8"): 16, (16, 2, "bf16"): 32, (16, 1, "bf16"): 16}
-    few16 = kv != "fp8" and heads * s_q <= 16
-    gluon_block = 16 if few or few16 else 64
+    few16 = kv != "fp8" and heads * s_q <= 32
+    gluon_block = 16 if few or (few16 and heads * s_q <= 16) else 32 if few16 else 64
     assert cfg.block_m == (triton_blocks.get((heads, s_q, kv), 64) if not on else gluon_block)
     seq = [9000, 1, 0, 63, 64, 65, 2000, 128, 129]
     ql = [0 if L == 0 else (1 if i % 3 == 1 else min(s_q, L)) for i, L in enumerate(seq)]
@@ -422,7 +425,7 @@ def test_decode_wgmma_ws_matches_reference_gpu(heads, s_q, page, big_q, parts, r
 
 
 _KT_CASES = [(16, 1, 64, "bf16"), (16, 1, 16, "bf16"), (16, 1, 128, "fp16"), (8, 1, 32, "bf16"), (8, 2, 64, "bf16"),
-             (12, 1, 64, "fp16"), (16, 1, 8, "bf16")]
+             (12, 1, 64, "fp16"), (16, 1, 8, "bf16"), (16, 2, 64, "bf16"), (16, 2, 16, "bf16"), (20, 1, 32, "fp16")]
 
 
 @pytest.mark.gpu
@@ -434,8 +437,9 @@ def test_decode_wgmma_kt_matches_reference_gpu(heads, s_q, page, kv, big_q, part
     """The TMA keys-on-M kernel of 16-bit caches (kernels/decode_wgmma_kt.py: a one-warp producer
     copying each 64-key tile's rows in nine 64-column boxes into a ring of two stages, a
     consumer warpgroup's dots reading them, as K and transposed as K^T) against mla_ref at
-    DeepSeek size, up to 16 query rows (h=12: 4 padding rows in the block; h=8 x 2 tokens with
-    mixed query lengths); pages of 8-32 keys take one box a page. Lengths around the 64-key
+    DeepSeek size, in 16-row blocks up to 16 query rows (h=12: 4 padding rows in the block; h=8 x
+    2 tokens with mixed query lengths) and 32-row ones above (h=16 x 2; h=20: 12 padding rows);
+    pages of 8-32 keys take one box a page. Lengths around the 64-key
     tiles and the pages, a 9000-key request split over many parts, empty requests (which both
     partitions must skip alike), NaN in every stale slot -- which TMA copies and the consumer
     must zero before PV -- and padding query token; ``big_q`` (bf16 only) and ``parts`` as in the
@@ -445,7 +449,7 @@ def test_decode_wgmma_kt_matches_reference_gpu(heads, s_q, page, kv, big_q, part
     cfg = default_config(spec, s_q, torch.device("cuda"))
     hopper = torch.cuda.get_device_capability()[0] == 9
     if hopper:
-        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (16, 64, 4), cfg
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == ((16 if heads * s_q <= 16 else 32), 64, 4), cfg
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000],
                     43, kv=kv)
     assert len(calls) == (1 if hopper else 0)
