@@ -708,7 +708,7 @@ def _ws_device() -> bool:
 
 
 def _kt_device() -> bool:
-    """Whether 16-bit blocks of up to 16 query rows take the TMA keys-on-M Gluon kernel
+    """Whether 16-bit blocks of up to 32 query rows take the TMA keys-on-M Gluon kernel
     (``kernels/decode_wgmma_kt.py``) on a device ``_wgmma_device`` accepts: its switch
     ``decode_wgmma.WGMMA_KT``."""
     from . import decode_wgmma

@@ -213,9 +213,9 @@ warpgroups on alternate tiles; ``decode_wgmma.pp_taken``). There the CUDA defaul
 (``config.default_config``) give them h=128 (bf16, fp16, FP8); h=16 FP8 (16-32 rows, bf16
 queries) takes the few-row Gluon kernels (``kernels/decode_wgmma_keys.py`` and its successors:
 the same plan, keys on the wgmma M axis), h=16 bf16 / fp16 the TMA one of
-``kernels/decode_wgmma_kt.py``. This kernel still serves every other launch (fp16
-queries on an FP8 cache, 16-bit caches TMA cannot copy, configs the Gluon kernels are not written for), every other GPU
-and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at h=16
+``kernels/decode_wgmma_kt.py``. This kernel still serves every other launch (fp16 queries on
+an FP8 cache, 16-bit caches TMA cannot copy, configs the Gluon kernels are not written for),
+every other GPU and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at h=16
 describe it (measured with the Gluon kernels off or before they existed).
 
 Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):

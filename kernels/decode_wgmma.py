@@ -85,8 +85,8 @@ dequantises the next tile while the dots run: 1.06-1.30x this kernel's FP8 at h=
 warpgroups on alternate tiles: 0.94-1.42x this kernel at h=128, ``pp_taken``); on such a
 device ``config.default_config`` gives it h=128 (bf16,
 fp16, FP8: 64-key tiles; the part sizes are in that function), and h=16 bf16 at s_q=2 (32 query
-rows in a 64-row block, the rest masked padding) with ``WGMMA_KT`` off. h=16 FP8 takes a few-row kernel
-instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the register-operand one of
+rows in a 64-row block, the rest masked padding) with ``WGMMA_KT`` off. h=16 FP8 takes a
+few-row kernel instead, which ``wgmma_plan`` admits too: at s_q=1 (16 rows) the register-operand one of
 ``kernels/decode_wgmma_rs.py`` where its TMA copies apply (switch ``WGMMA_RS``, ``rs_plan``),
 else the warp-specialised one of ``kernels/decode_wgmma_ws.py`` (switch ``WGMMA_WS``, which
 turns both off), at s_q=2 -- and at s_q=1 with that switch
@@ -143,9 +143,10 @@ WGMMA_WS = True
 #: where its copies apply (``rs_plan``; a switch like ``WGMMA_WS``; off, ``decode_wgmma_ws`` runs
 #: them).
 WGMMA_RS = True
-#: Take the TMA keys-on-M kernel (``decode_wgmma_kt``) for 16-bit caches in 16-row blocks of
-#: 64-key tiles with 4 warps, where its copies apply (``kt_plan``; a switch like ``WGMMA_RS``; off,
-#: ``config.default_config`` gives those launches the Triton kernel's own blocks again).
+#: Take the TMA keys-on-M kernel (``decode_wgmma_kt``) for 16-bit caches in 16- or 32-row blocks
+#: of 64-key tiles with 4 warps, where its copies apply (``kt_plan``; a switch like ``WGMMA_RS``;
+#: off, ``config.default_config`` gives those launches their former blocks again: the Triton
+#: kernel's at 16 rows, this module's 64-row ones at 32).
 WGMMA_KT = True
 #: Take the warp-specialised 64-row FP8 kernel (``decode_wgmma_ws64``: a producer partition
 #: dequantises the next tile while the dots run) for the FP8 64-row blocks this module's kernel
@@ -274,9 +275,9 @@ def _tma_rows_reason(kv_cache: torch.Tensor, token_bytes: int, block_n: int) -> 
 
 def kt_plan(kv_cache: torch.Tensor, block_n: int) -> Optional[str]:
     """None when a 16-bit launch of ``wgmma_plan``'s few-row shape (16- or 32-row blocks of
-    ``block_n``-key tiles, 4 warps) can run ``decode_wgmma_kt``, else the reason it cannot (static, capture-time
-    facts only; the launch then takes the Triton kernel). kv_cache: bf16 / fp16 ``[num_blocks,
-    page, 1, d_qk]``.
+    ``block_n``-key tiles, 4 warps) can run ``decode_wgmma_kt``, else the reason it cannot
+    (static, capture-time facts only; the launch then takes the Triton kernel). kv_cache: bf16 /
+    fp16 ``[num_blocks, page, 1, d_qk]``.
 
     ``decode_wgmma_kt`` copies each tile with TMA, boxes of ``min(page, block_n)`` rows a page
     and 64 columns, into 128-byte-swizzled shared memory: the cache must be contiguous with a

@@ -40,13 +40,11 @@ the softmax (P = 0), but 0 times a NaN is a NaN: in a request's last, partial ti
 zeroes those keys' latent rows before the dots.
 
 Taken by ``decode_split.launch_decode_split`` for 16-bit launches of ``decode_wgmma.wgmma_plan``'s
-few-row shape (16- or 32-row blocks of 64 keys, 4 warps) where ``decode_wgmma.kt_plan`` admits the cache
-(TMA's constraints; switch ``WGMMA_KT``); a build failure falls back to the Triton kernel as for
-the other Gluon kernels.
+few-row shape (16- or 32-row blocks of 64 keys, 4 warps) where ``decode_wgmma.kt_plan`` admits
+the cache (TMA's constraints; switch ``WGMMA_KT``); a build failure falls back to the Triton
+kernel as for the other Gluon kernels.
 """
 from __future__ import annotations
-
-import torch
 
 try:
     from triton.experimental import gluon
@@ -116,9 +114,9 @@ if gluon is not None:
         KEY_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
         ROW_L: gl.constexpr = gl.SliceLayout(0, MMA_L)
         Q_L: gl.constexpr = row_copy_layout(8, 32, W)
+        # q's rope, and a chunk's rows read and rewritten when stale keys must be zeroed: 16-byte
+        # vectors along 64-column rows
         QR_L: gl.constexpr = row_copy_layout(8, 8, W)
-        # a chunk's rows read and rewritten when stale keys must be zeroed (16-byte vectors)
-        Z_L: gl.constexpr = row_copy_layout(8, 8, W)
         # acc^T [CH, R] of a chunk in a store-friendly layout: four adjacent latent columns a thread
         OUT_L: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2],
                                                warps_per_cta=[1, W], order=[0, 1])
@@ -128,7 +126,7 @@ if gluon is not None:
         ctx_w = gl.load(ctxw_ptr)
         r = gl.arange(0, BLOCK_R, layout=ROW_L)
         n = gl.arange(0, BLOCK_N, layout=KEY_L)
-        n_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, Z_L))
+        n_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, QR_L))
         r_out = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, OUT_L))
         c_out = gl.arange(0, CH, layout=gl.SliceLayout(1, OUT_L))
         row_ok = r < ROWS
@@ -161,7 +159,7 @@ if gluon is not None:
                         stale = (tile * BLOCK_N + n_z >= seq_len)[:, None]
                         for c in gl.static_range(NL):
                             buf = k_s.index(s * NC + c)
-                            buf.store(gl.where(stale, 0.0, buf.load(Z_L).to(gl.float32)).to(KT))
+                            buf.store(gl.where(stale, 0.0, buf.load(QR_L).to(gl.float32)).to(KT))
                         fence_async_shared()
                         gl.thread_barrier()
                     z = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
@@ -254,7 +252,6 @@ def kt_descriptor(kv_cache, *, d_qk: int, block_n: int):
     (a page's keys, 128 bytes of each row), 128-byte swizzle -- the layout the dots read."""
     nb, page = kv_cache.shape[0], kv_cache.shape[1]
     flat = kv_cache.view(nb * page, d_qk)
-    gl_dtype = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     return TensorDescriptor(flat, shape=[nb * page, d_qk], strides=[d_qk, 1],
                             block_shape=[min(page, block_n), KT_CHUNK], layout=layout)
