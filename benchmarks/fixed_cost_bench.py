@@ -132,7 +132,7 @@ class _Case:
     def __init__(self, pool, kv, h, s_q, batch, length, gen):
         import kernel_bench as kb
         spec = ModelSpec(num_heads=h)
-        self.cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8")
+        self.cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8", batch=batch)
         self.be, self.md, self.cache = kb.build_case(pool, h, s_q, batch, length, kv, self.cfg, gen)
         self.q = torch.randn(batch, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty(batch, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)

@@ -351,9 +351,11 @@ def main(argv=None) -> int:
     for kv in kvs:
         for h in heads:
             for s_q in sqs:
-                cfg = chosen.get((kv, h, s_q)) or \
-                    default_config(ModelSpec(num_heads=h), s_q, torch.device("cuda"), fp8=kv == "fp8")
+                swept = chosen.get((kv, h, s_q))
                 for B in batches:
+                    # the backend's own choice: default_config at the case's (padded) batch size
+                    cfg = swept or default_config(ModelSpec(num_heads=h), s_q, torch.device("cuda"), fp8=kv == "fp8",
+                                                  batch=B)
                     for L in lens:
                         if time.time() - t_start > args.budget_s:
                             print("# budget reached; remaining cases skipped", flush=True)

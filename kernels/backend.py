@@ -167,7 +167,8 @@ class TritonMLABackend:
         next_n_max: largest MTP ``next_n``; sizes the flat context-lens and slot buffers.
         max_blocks_per_seq: block-table columns kept per request.
         page_size: if given, every batch must use it.
-        config: launch config for every batch (default: ``default_config`` per ``next_n`` and kv dtype;
+        config: launch config for every batch (default: ``default_config`` per ``next_n``, kv dtype
+            and padded batch size;
             sparse batches: ``default_config(spec, 1, ...)``, one (request, token) row per unit).
         topk_max: largest top-k of a sparse batch; sizes the persistent index buffer (0 = dense only).
         indexer: ``mla_ref.IndexerWeights`` for batches whose top-k is selected on the device.
@@ -200,8 +201,11 @@ class TritonMLABackend:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.page_size = page_size
         self.indexer = None if indexer is None else indexer.to(self.device)
-        self._configs = {(n, kv): (config or default_config(spec, n, self.device, fp8=kv == "fp8"))
-                         for n in range(1, next_n_max + 1) for kv in _KV_TORCH}
+        # a given config serves every batch; the defaults may depend on the padded batch size
+        # (default_config's batch), so they are made per (next_n, kv dtype, padded size) on demand
+        self._config = config
+        self._configs: dict = {}
+        self._max_parts: Optional[int] = None  # set by _alloc_buffers
         self._sparse_configs = {kv: (config or default_config(spec, 1, self.device, fp8=kv == "fp8", sparse=True))
                                 for kv in _KV_TORCH}
         self._buffers: dict = {}
@@ -212,7 +216,11 @@ class TritonMLABackend:
     def _alloc_buffers(self) -> None:
         """Allocate every persistent buffer once (graph-safe mode reads only these)."""
         dev, mb, nn = self.device, self.max_batch, self.next_n_max
-        max_parts = max(c.num_parts for c in list(self._configs.values()) + list(self._sparse_configs.values()))
+        # the plan's rows for any config a build can take: the given one, or the defaults at the
+        # smallest and largest batches and with none (default_config's batch rule is a threshold)
+        dense = [self.config_for(n, kv, b) for n in range(1, nn + 1) for kv in _KV_TORCH for b in (None, 1, mb)]
+        max_parts = max(c.num_parts for c in dense + list(self._sparse_configs.values()))
+        self._max_parts = max_parts
         i32 = dict(dtype=torch.int32, device=dev)
         # sparse plans have one row per (request, token): mb * nn rows
         plan_rows = mb * nn if self.topk_max else mb
@@ -271,12 +279,23 @@ class TritonMLABackend:
 
     # ------------------------------------------------------------------ build
 
-    def config_for(self, next_n: int, kv_dtype: str = "bf16") -> DecodeConfig:
-        """The launch config used for batches of this ``next_n`` and ``kv_dtype``."""
-        if (next_n, kv_dtype) not in self._configs:
+    def config_for(self, next_n: int, kv_dtype: str = "bf16", batch: Optional[int] = None) -> DecodeConfig:
+        """The launch config used for dense batches of this ``next_n`` and ``kv_dtype``, padded to
+        ``batch`` requests (None: a batch-independent default, ``default_config``'s)."""
+        if not (isinstance(next_n, int) and 1 <= next_n <= self.next_n_max) or kv_dtype not in _KV_TORCH:
             raise ValueError(f"next_n must be in [1, next_n_max={self.next_n_max}] and kv_dtype one of "
                              f"{tuple(_KV_TORCH)}, got {next_n}, {kv_dtype!r}")
-        return self._configs[(next_n, kv_dtype)]
+        if self._config is not None:
+            return self._config
+        key = (next_n, kv_dtype, batch)
+        if key not in self._configs:
+            cfg = default_config(self.spec, next_n, self.device, fp8=kv_dtype == "fp8", batch=batch)
+            if self._max_parts is not None and cfg.num_parts > self._max_parts:
+                # the persistent plan buffer was sized at construction (_alloc_buffers)
+                raise RuntimeError(f"default config for next_n={next_n}, {kv_dtype}, batch {batch} has "
+                                   f"{cfg.num_parts} parts, more than the {self._max_parts} planned for")
+            self._configs[key] = cfg
+        return self._configs[key]
 
     def _check_batch(self, batch: DecodeBatch) -> None:
         if not isinstance(batch, DecodeBatch):
@@ -305,7 +324,7 @@ class TritonMLABackend:
         """Host side of ``build``: compute the padded host arrays and stage them."""
         B, pad = batch.batch_size, batch.padded_size
         next_n, width = batch.next_n, int(batch.max_decode_len)
-        cfg = self.config_for(next_n, batch.kv_dtype)
+        cfg = self.config_for(next_n, batch.kv_dtype, pad)
 
         seq = torch.zeros(pad, dtype=torch.int32)
         seq[:B] = batch.seq_lens.to(torch.int32)

@@ -747,8 +747,14 @@ def _fp8_grouped_default(rows: int, device_type: str = "cuda") -> bool:
     return 16 < rows <= 32
 
 
+#: the largest (padded) batch whose h=16 x 2 launches take two 16-row blocks on Hopper
+#: (``default_config``'s ``batch``): in the A/B behind it they were faster at B 1-4 up to 64k
+#: tokens (0.97-0.99x at B=4, L=32k) and slower at B=8, L=16k (0.90-0.94x)
+SPLIT_ROWS_MAX_BATCH = 4
+
+
 def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = None, *,
-                   fp8: bool = False, sparse: bool = False) -> DecodeConfig:
+                   fp8: bool = False, sparse: bool = False, batch: Optional[int] = None) -> DecodeConfig:
     """The configuration ``mla_decode`` and the backend use unless given one.
 
     On CPU (interpreter) the tiles are large (one row block per request, 64 keys) and the
@@ -771,6 +777,12 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
     takes the few-row Gluon kernel ``kernels/decode_wgmma_keys.py`` (16/32-row blocks of
     128-key tiles), and h=16 bf16 / fp16 at s_q 1-2 the TMA one of ``kernels/decode_wgmma_kt.py``
     (16- or 32-row blocks of 64-key tiles, 4 warps); the combine splits the latent columns in 128s.
+
+    ``batch``: the (padded) batch size the launches are for, where the best blocks depend on
+    it: on Hopper, 17-32 query rows (h=16 x 2) of at most ``SPLIT_ROWS_MAX_BATCH`` requests
+    take two 16-row blocks of the few-row kernels (``decode_wgmma_rs`` / ``decode_wgmma_kt``),
+    one program a part and row block, rather than one block of all the rows. None: no batch
+    (the blocks of larger batches).
 
     ``sparse``: the sparse top-k decode, whose unit is one (request, token) row (pass
     ``s_q=1``); on CPU its key tile is 32 wide — each tile is one interpreted loop trip, and
@@ -877,6 +889,21 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # 16 rows 1.00-1.24x the Triton defaults above, geo-mean 1.13; 32 rows 1.01-1.26x the
         # 64-row Gluon blocks above (parts of two tiles: 0.86x at B=1, L=16k)
         block_m, block_n, warps, stages, min_tiles = (16 if rows <= 16 else 32), 64, 4, 1, 4
+    if (gluon and 16 < rows <= 32 and batch is not None and batch <= SPLIT_ROWS_MAX_BATCH
+            and (_ws_device() if fp8 else _kt_device())):
+        # Hopper, h=16 x 2 at small batches: two 16-row blocks of 64-key tiles, 4 warps, parts of
+        # two tiles, half the programs each row block (the few-row kernels: FP8 the
+        # register-operand decode_wgmma_rs.py where TMA can copy the cache, 16-bit the TMA
+        # decode_wgmma_kt.py). The pair of programs of a part read the same tiles at about the
+        # same time (the second from L2), each converting / computing its 16 rows. Against the
+        # blocks above, interleaved in one process on an H100 (h100-2026-11-27-split-rows-ab.json):
+        # FP8 1.06-1.30x at B 1-2 (L 1k-32k), 0.97-1.15x at B=4 (0.97 at L=32k), 0.95-1.13x at
+        # B=8 (0.95 at L=16k), 0.89-0.97x at B 32-128; bf16 1.04-1.23x at B 1-2, 0.99-1.22x at
+        # B=4, 0.92-1.18x at B=8, 0.75-1.05x at B 32-128 -- at large batches each tile's
+        # conversion and the dots' fixed costs paid twice outweigh the padding rows (FP8) and
+        # spills (bf16) of the single block
+        block_m, block_n, warps, stages, min_tiles = 16, 64, 4, 1, 2
+        grouped = False
     m_blocks = -(-rows // block_m)
     parts = max(1, _sm_count(device) // m_blocks)
     # combine: 4 programs per row block, each merging 128 latent columns (rank 512): 1.02-1.04x

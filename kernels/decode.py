@@ -138,7 +138,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         sched: a ``SchedState``; None plans afresh for this call. A given state is planned on
             first use and *reused as is afterwards* (FlashMLA's lazy contract) — pass a new
             one whenever ``cache_seqlens`` changes.
-        config: launch configuration (default ``default_config(spec, s_q, q.device, fp8=...)``,
+        config: launch configuration (default ``default_config(spec, s_q, q.device, fp8=..., batch=B)``,
             or the state's if it has one).
         out: optional ``[B, s_q, h_q, kv_lora_rank]`` q-dtype buffer to write into.
         indices: int32 ``[B, s_q, topk]`` contiguous (sparse decode): global cache slots
@@ -186,7 +186,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         return out, lse
     if config is None:
         config = sched.config if sched is not None and sched.config is not None else \
-            default_config(spec, s_q, q.device, fp8=kv_cache.dtype == torch.uint8)
+            default_config(spec, s_q, q.device, fp8=kv_cache.dtype == torch.uint8, batch=B)
     scale = spec.softmax_scale if softmax_scale is None else float(softmax_scale)
     if sched is None:
         sched = SchedState(config)

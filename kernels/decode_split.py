@@ -951,8 +951,9 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         # decode_wgmma.py), FP8 ones the
         # warp-specialised decode_wgmma_ws64.py; few-row blocks of 4 warps of a 16-bit cache the
         # TMA keys-on-M decode_wgmma_kt.py (wgmma_plan checked kt_plan), of an FP8 one the
-        # register-operand decode_wgmma_rs.py where its TMA copies apply (rs_plan), else the
-        # warp-specialised decode_wgmma_ws.py, of 8 warps the keys-on-M decode_wgmma_keys.py. A
+        # register-operand decode_wgmma_rs.py where its TMA copies apply (rs_plan; wgmma_plan
+        # admits more rows than one block only then), else the warp-specialised
+        # decode_wgmma_ws.py, of 8 warps the keys-on-M decode_wgmma_keys.py. A
         # build failure (compile or resources: raised before anything is launched) sends this
         # and every later launch to this kernel, with a warning
         try:

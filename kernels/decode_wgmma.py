@@ -172,9 +172,10 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
     are taken: 64-row blocks of 64-key tiles with 8 warps (this module's kernel; 16-bit or FP8
     caches); 16- or 32-row blocks of 128-key tiles with 8 warps holding all ``s_q * h`` query
     rows (FP8 only: ``decode_wgmma_keys``, switch ``WGMMA_KEYS``); 16-row blocks of 64-key tiles
-    with 4 warps holding them all (FP8: the warp-specialised ``decode_wgmma_ws``, switch
-    ``WGMMA_WS``; 16-bit, also 32-row blocks: the TMA ``decode_wgmma_kt`` where ``kt_plan`` admits
-    the cache).
+    with 4 warps (FP8: the warp-specialised ``decode_wgmma_ws``, switch ``WGMMA_WS``, or where
+    ``rs_plan`` admits the cache the register-operand ``decode_wgmma_rs``, the only one of the two
+    that takes more rows than one block; 16-bit, also 32-row blocks: the TMA ``decode_wgmma_kt``
+    where ``kt_plan`` admits the cache, in as many blocks as the rows need).
 
     q ``[B, s_q, h, rank + rope]`` (bf16 / fp16 take it); kv_cache ``[num_blocks, page,
     rank + rope]`` of q's dtype, or uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``
@@ -212,13 +213,21 @@ def wgmma_plan(q: torch.Tensor, kv_cache: torch.Tensor, *, rank: int, rope_dim: 
     if (block_m, block_n, num_warps) == (64, 64, 8):
         return None
     if block_m in (16, 32) and (block_n, num_warps) == (WS_BLOCK_N, WS_WARPS) and kv_cache.dtype != torch.uint8:
-        # a 16-bit cache: the TMA keys-on-M kernel (kernels/decode_wgmma_kt.py)
-        if q.shape[1] * q.shape[2] > block_m:
-            return f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the TMA kernel takes one block)"
+        # a 16-bit cache: the TMA keys-on-M kernel (kernels/decode_wgmma_kt.py), one program a
+        # part and row block
         return kt_plan(kv_cache, block_n)
     if (block_m, block_n, num_warps) == (16, WS_BLOCK_N, WS_WARPS):
-        # the warp-specialised few-row FP8 kernel (kernels/decode_wgmma_ws.py)
-        return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_WS", WGMMA_WS, "warp-specialised")
+        # the few-row FP8 kernels: the register-operand one (kernels/decode_wgmma_rs.py) where
+        # its TMA copies apply, in as many row blocks as the rows need; else the
+        # warp-specialised one (kernels/decode_wgmma_ws.py), whose rows fit one block
+        reason = _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_WS", WGMMA_WS, "warp-specialised",
+                                 one_block=False)
+        if reason is None and q.shape[1] * q.shape[2] > block_m:
+            rs = rs_plan(kv_cache, block_n)
+            if rs is not None:
+                return (f"{q.shape[1] * q.shape[2]} query rows in {block_m}-row blocks (only the TMA kernel takes "
+                        f"several, and it cannot run: {rs})")
+        return reason
     if block_n == KEYS_BLOCK_N and block_m in (16, 32) and num_warps == 8:
         # the few-row FP8 kernel, keys on the wgmma M axis (kernels/decode_wgmma_keys.py)
         return _few_row_reason(q, kv_cache, block_m, block_n, "WGMMA_KEYS", WGMMA_KEYS, "keys-on-M")
@@ -310,15 +319,15 @@ def pp_taken(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def _few_row_reason(q: torch.Tensor, kv_cache: torch.Tensor, block_m: int, block_n: int, switch: str, on: bool,
-                    kernel: str) -> Optional[str]:
+                    kernel: str, *, one_block: bool = True) -> Optional[str]:
     """``wgmma_plan``'s checks for a few-row FP8 kernel (the shape already matched): its
-    switch ``switch`` (value ``on``), an FP8 cache, and every query row of a request in the
-    one ``block_m``-row block. None, or the reason naming ``kernel``."""
+    switch ``switch`` (value ``on``), an FP8 cache, and (``one_block``) every query row of a
+    request in the one ``block_m``-row block. None, or the reason naming ``kernel``."""
     if not on:
         return f"{switch} is off"
     if kv_cache.dtype != torch.uint8:
         return f"block {block_m}x{block_n}: the {kernel} kernel takes FP8 caches only"
-    if q.shape[1] * q.shape[2] > block_m:
+    if one_block and q.shape[1] * q.shape[2] > block_m:
         return f"{q.shape[1] * q.shape[2]} query rows in a {block_m}-row block (the {kernel} kernel takes one block)"
     return None
 

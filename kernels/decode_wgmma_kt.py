@@ -2,10 +2,14 @@
 keys on the wgmma M axis (Gluon, GPU only).
 
 The same contract, plan and stores as ``decode_split._decode_split_kernel`` (grid ``(num_parts,
-1)``; a request that is not split stores ``out``/``lse``, a split one its fp32 partial), for a
-bf16 / fp16 cache with q of its dtype and ``s_q * h <= 32`` query rows (h=16 at s_q 1-2) in one
-16- or 32-row block. With ``R`` query rows and a 64-key tile, the dots put the keys on wgmma's M
-axis (64, its minimum) and the query rows on N, so no row of a dot is padding::
+m_blocks)``; a request that is not split stores ``out``/``lse``, a split one its fp32 partial), for a
+bf16 / fp16 cache with q of its dtype, in 16- or 32-row blocks (h=16 at s_q 1-2: one block; at
+batches of up to ``config.SPLIT_ROWS_MAX_BATCH`` the CUDA defaults give h=16 x 2 two 16-row
+blocks, one program a part and block, the second reading the part's tiles mostly from L2:
+1.04-1.23x the one 32-row block at B 1-2, 0.99-1.22x at B=4, 0.75-1.05x at B 32-128; H100,
+``benchmarks/results/h100-2026-11-27-split-rows-ab.json``). With ``R`` query rows a block and a
+64-key tile, the dots put the keys on wgmma's M axis (64, its minimum) and the query rows on N,
+so no row of a dot is padding::
 
     S^T   [64, R]   = sum_c K_c [64, 64] @ Q_c^T [64, R]      (c: eight latent chunks, the rope)
     acc^T [512, R] += per latent chunk c: K_c^T [64, 64] @ P^T [64, R]
@@ -124,10 +128,12 @@ if gluon is not None:
         ROWS = SQ * H
         b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
         ctx_w = gl.load(ctxw_ptr)
-        r = gl.arange(0, BLOCK_R, layout=ROW_L)
+        # row block program_id(1): rows row0 + [0, BLOCK_R) of every request
+        row0 = gl.program_id(1) * BLOCK_R
+        r = row0 + gl.arange(0, BLOCK_R, layout=ROW_L)
         n = gl.arange(0, BLOCK_N, layout=KEY_L)
         n_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, QR_L))
-        r_out = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, OUT_L))
+        r_out = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, OUT_L))
         c_out = gl.arange(0, CH, layout=gl.SliceLayout(1, OUT_L))
         row_ok = r < ROWS
         tok = r // H
@@ -138,7 +144,7 @@ if gluon is not None:
                                                           nsplit_ptr, off_ptr, BLOCK_N)
             if t1 > t0:
                 # q (rows past ROWS as zeros) into shared memory, after every warp is done with the last
-                ctx = start_request_rows(q_ptr, ctx_ptr, b64, ctx_w, tok, row_ok, 0, ROWS, q_lat_s, q_rope_s, RANK,
+                ctx = start_request_rows(q_ptr, ctx_ptr, b64, ctx_w, tok, row_ok, row0, ROWS, q_lat_s, q_rope_s, RANK,
                                          ROPE, Q_L, QR_L)
                 m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, ROW_L)
                 l_p = gl.full([BLOCK_N, BLOCK_R], 0.0, gl.float32, MMA_L)
@@ -262,12 +268,13 @@ def launch_decode_wgmma_kt(q, kv_cache, block_table, cache_seqlens, ctx_lens, ct
                            rank: int, rope_dim: int, fp8_group: int, block_m: int, block_n: int) -> None:
     """Launch this kernel (arguments as ``decode_split.launch_decode_split``; the caller has checked
     ``decode_wgmma.wgmma_plan`` and ``decode_wgmma.kt_plan``). Shapes: q ``[B, s_q, h, rank + rope]``
-    of the cache's dtype with ``s_q * h <= block_m`` (16 or 32); kv_cache bf16 / fp16 ``[num_blocks,
-    page, 1, rank + rope]``; block_n 64; the rest as the Triton launcher."""
+    of the cache's dtype (``ceil(s_q * h / block_m)`` row blocks of 16 or 32); kv_cache bf16 / fp16
+    ``[num_blocks, page, 1, rank + rope]``; block_n 64; the rest as the Triton launcher."""
     num_parts = part_info.shape[0] - 1
     pdl = pdl_on(q)
     desc = kt_descriptor(kv_cache, d_qk=rank + rope_dim, block_n=block_n)
-    _decode_kt_kernel[(num_parts, 1)](
+    m_blocks = -(-q.shape[1] * q.shape[2] // block_m)
+    _decode_kt_kernel[(num_parts, m_blocks)](
         desc, q, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2,
         q.shape[1], q.shape[2], PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, BLOCK_R=block_m, BLOCK_N=block_n,

@@ -74,10 +74,19 @@ Mutants (``h100-2026-11-27-wgmma-rs-mutants.json``, the 28 register-operand case
 - two hang it: one exchange slot instead of two by parity, the stage freed after one
   warpgroup's arrival.
 
+**More rows than one block** (grid ``(num_parts, m_blocks)``): program ``(p, mb)`` runs rows
+``16 mb + [0, 16)`` of every request of part ``p``; the two programs of a part read the same
+tiles at about the same time, the second mostly from L2. ``config.default_config`` gives h=16 x 2
+two such blocks at batches of up to ``config.SPLIT_ROWS_MAX_BATCH`` (against
+``decode_wgmma_ws64``'s one 32-row block: 1.06-1.30x at B 1-2, 0.97-1.15x at B=4, 0.95-1.13x at
+B=8, 0.89-0.97x at B 32-128, each tile's conversion paid twice there; H100,
+``benchmarks/results/h100-2026-11-27-split-rows-ab.json``).
+
 Taken by ``decode_split.launch_decode_split`` for the launches ``decode_wgmma.wgmma_plan``
 gives the warp-specialised few-row kernel, when ``decode_wgmma.rs_plan`` admits the cache
-(TMA's constraints; switch ``WGMMA_RS``). A build failure falls back to the Triton kernel as for
-the other Gluon kernels.
+(TMA's constraints; switch ``WGMMA_RS``), and for those of more rows than a block, which only
+this kernel takes. A build failure falls back to the Triton kernel as for the other Gluon
+kernels.
 """
 from __future__ import annotations
 
@@ -262,8 +271,10 @@ if gluon is not None:
         ROWS = SQ * H
         b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, pid_p)
         ctx_w = gl.load(ctxw_ptr)
-        r_lat = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, Q_L))
-        r_rope = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROPE_L))
+        # row block program_id(1): rows row0 + [0, BLOCK_R) of every request
+        row0 = gl.program_id(1) * BLOCK_R
+        r_lat = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, Q_L))
+        r_rope = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ROPE_L))
         # this warpgroup's two groups of q's latent; the dots' column k is the cache's column
         # 32 c + 4 s + 2 h + j of the group (k = 16 s + 8 h + 2 c + j; _k_operand)
         k_lat = gl.arange(0, 2 * GROUP, layout=gl.SliceLayout(0, Q_L))
@@ -271,10 +282,10 @@ if gluon is not None:
         c_lat = (GA * GROUP + (k_lat // GROUP) * GROUP + ((kk // 2) % 4) * 32 + (kk // 16) * 4 + ((kk // 8) % 2) * 2
                  + kk % 2)
         c_rope = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
-        r = gl.arange(0, BLOCK_R, layout=ROW_L)
+        r = row0 + gl.arange(0, BLOCK_R, layout=ROW_L)
         OUT_L: gl.constexpr = _out_layout(BLOCK_R)
         c_out = gl.arange(0, GROUP, layout=gl.SliceLayout(1, OUT_L))
-        r_out = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, OUT_L))
+        r_out = row0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, OUT_L))
         n = gl.arange(0, BLOCK_N, layout=KEY_L)
         n_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VW_L))
         row_ok = r < ROWS
@@ -463,14 +474,15 @@ def launch_decode_wgmma_rs(q, kv_cache, block_table, cache_seqlens, ctx_lens, ct
                            split_offsets, out, lse, partial_o, partial_lse, *, softmax_scale_log2: float,
                            rank: int, rope_dim: int, fp8_group: int, block_m: int, block_n: int) -> None:
     """Launch this kernel (arguments as ``decode_split.launch_decode_split``). Shapes: q ``[B, s_q,
-    h, rank + rope]`` bf16 with ``s_q * h <= block_m`` (16); kv_cache uint8 ``[num_blocks, page,
-    rank + 4 * groups + 2 * rope]``, 16-byte aligned, ``page`` a multiple of ``block_n`` (64); the
-    rest as the Triton launcher."""
+    h, rank + rope]`` bf16 (``ceil(s_q * h / block_m)`` row blocks of 16); kv_cache uint8
+    ``[num_blocks, page, rank + 4 * groups + 2 * rope]``, 16-byte aligned, ``page`` a multiple of
+    ``block_n`` (64); the rest as the Triton launcher."""
     num_parts = part_info.shape[0] - 1
     pdl = pdl_on(q)
     codes, scales, rope = rs_descriptors(kv_cache, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group,
                                          block_n=block_n)
-    _decode_rs_kernel[(num_parts, 1)](
+    m_blocks = -(-q.shape[1] * q.shape[2] // block_m)
+    _decode_rs_kernel[(num_parts, m_blocks)](
         codes, scales, rope, q, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2,
         q.shape[1], q.shape[2], PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group,

@@ -12,6 +12,7 @@ from mla_ref import DecodeBatch, MLALayerWeights, ModelSpec
 import kernels
 import kernels.pdl as kpdl
 from kernels import DecodeConfig, MLADecodeLayer, TritonMLABackend, decode_positions, ops
+from kernels.config import SPLIT_ROWS_MAX_BATCH
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
 
 CFG = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1)
@@ -116,6 +117,37 @@ def test_forward_is_deterministic_and_replans():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_default_configs_follow_the_padded_batch(monkeypatch):
+    """Without a given config the backend asks ``default_config`` per next_n, kv dtype and
+    padded batch size (its ``batch``): each build runs the config of its padded size, and the
+    forward matches the reference under each; the persistent plan buffer is sized for the
+    largest of the defaults at batch None, 1 and max_batch, and a default past it is refused
+    rather than overrunning it. A given config serves every batch."""
+    import kernels.backend as kb
+    asked = []
+
+    def fake(spec, s_q, device=None, *, fp8=False, sparse=False, batch=None):
+        asked.append(batch)
+        parts = 9 if batch == 6 else (2 if batch is not None and batch <= 4 else 3)
+        return DecodeConfig(block_m=16, block_n=16, num_parts=parts, min_tiles_per_part=1)
+
+    monkeypatch.setattr(kb, "default_config", fake)
+    spec = ModelSpec.tiny(num_heads=3)
+    be = make_backend(spec, config=None)
+    assert {None, 1, 8} <= set(asked)
+    case = make_case(spec, seq_lens=[30, 3, 47], q_lens=[2, 1, 2], s_q=2, page_size=8, kv_dtype="bf16", seed=5)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    for pad, parts in ((4, 2), (8, 3)):
+        md = be.build(batch_of(case, next_n=2, pad_to=pad))
+        assert md.config.num_parts == parts and md.config is be.config_for(2, "bf16", pad)
+        out, lse = be.forward(padded_q(case, pad), case.kv_cache, md)
+        assert_decode_close(out[:3], lse[:3], *ref, tol=TOL_INTERP[torch.bfloat16], what=f"pad {pad}")
+    with pytest.raises(RuntimeError, match="9 parts"):
+        be.build(batch_of(case, next_n=2, pad_to=6))
+    given = make_backend(spec, config=CFG)
+    assert all(given.config_for(2, "bf16", b) is CFG for b in (None, 1, 4, 8))
+
+
 def test_build_and_forward_reject_bad_input():
     spec = ModelSpec.tiny(num_heads=2)
     be = make_backend(spec, max_batch=4, capture_sizes=[4], next_n_max=2, page_size=8)
@@ -203,16 +235,17 @@ def test_layer_matches_reference_gpu(kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,next_n", [(16, 1), (16, 2), (128, 2)])
+@pytest.mark.parametrize("heads,next_n,pad", [(16, 1, 4), (16, 2, 4), (16, 2, 16), (128, 2, 4)])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
+def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, pad, monkeypatch):
     """Capture forward once; replays after new builds must equal eager forwards bitwise, with
     the kernels launched with programmatic dependent launch (the default on Hopper: each waits
     for the previous grid inside the kernel, kernels/pdl.py) and without it (on Hopper: bf16
     h=128 runs the Gluon ping-pong 64-row kernel, kernels/decode_wgmma_pp.py, FP8 h=128 and
-    h=16 x 2 the warp-specialised 64-row one, kernels/decode_wgmma_ws64.py; FP8 h=16 x 1 the
+    h=16 x 2 padded to 16 requests the warp-specialised 64-row one, kernels/decode_wgmma_ws64.py;
+    FP8 h=16 x 1, and x 2 padded to 4 (two 16-row blocks, config.SPLIT_ROWS_MAX_BATCH), the
     register-operand few-row one, kernels/decode_wgmma_rs.py, bf16 h=16 x 1 and x 2 the TMA
-    keys-on-M one, kernels/decode_wgmma_kt.py -- asserted)."""
+    keys-on-M one, kernels/decode_wgmma_kt.py, in two 16-row blocks at 4 -- asserted)."""
     import kernels.decode_split as ds
     launched = []
     for name in ("launch_decode_wgmma", "launch_decode_wgmma_keys", "launch_decode_wgmma_ws", "launch_decode_wgmma_rs",
@@ -221,12 +254,12 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
         monkeypatch.setattr(ds, name, lambda *a, _real=real, _name=name, **k: (launched.append(_name),
                                                                                _real(*a, **k))[1])
     spec = ModelSpec(num_heads=heads)
-    be = make_backend(spec, device="cuda", max_blocks_per_seq=64, next_n_max=next_n)
+    be = make_backend(spec, device="cuda", max_blocks_per_seq=64, next_n_max=next_n, max_batch=pad,
+                      capture_sizes=[pad])
     cases = [make_case(spec, seq_lens=s, q_lens=[min(x, next_n) for x in q], s_q=next_n, page_size=64, kv_dtype=kv,
                        seed=i, device="cuda")
              for i, (s, q) in enumerate([([100, 5, 3000], [2, 1, 2]), ([2500, 0, 9, 64], [1, 0, 2, 2]),
                                          ([1, 1800], [1, 2])])]
-    pad = 4
     # one cache holding every case: copy each case's pages in before its step
     md = be.build(batch_of(cases[0], next_n=next_n, pad_to=pad, kv_dtype=kv))
     q_buf = padded_q(cases[0], pad)
@@ -260,12 +293,16 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, monkeypatch):
         assert_decode_close(g_out[:B], g_lse[:B], *ref, tol=TOL_GPU[torch.bfloat16])
     if torch.cuda.get_device_capability()[0] == 9:
         if kv == "fp8":
-            want = {"launch_decode_wgmma_rs" if heads * next_n <= 16 else "launch_decode_wgmma_ws64"}
+            rs = heads * next_n <= 16 or (heads * next_n <= 32 and pad <= SPLIT_ROWS_MAX_BATCH)
+            want = {"launch_decode_wgmma_rs" if rs else "launch_decode_wgmma_ws64"}
         else:  # bf16 at up to 32 rows: the TMA keys-on-M kernel
             # (4 padded requests: h=128 x 2 is 16 (request, row block) pairs)
             want = ({"launch_decode_wgmma_pp"} if heads * next_n > 64 else
                     {"launch_decode_wgmma_kt"} if heads * next_n <= 32 else {"launch_decode_wgmma"})
         assert set(launched) == want, launched
+        split = heads * next_n == 32 and pad <= SPLIT_ROWS_MAX_BATCH
+        assert md.config.block_m == (16 if split or heads * next_n <= 16 else 32 if kv == "bf16" and heads == 16
+                                     else 64), md.config
 
 
 def test_decode_op_rejects_bad_plan_buffers():

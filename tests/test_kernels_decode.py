@@ -465,6 +465,55 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     assert seen == [False, True]
 
 
+def test_cuda_defaults_split_h16_x2_rows_in_two_blocks_at_small_batches(monkeypatch):
+    """On Hopper, h=16 x 2 query rows (FP8 and bf16) of a batch of at most
+    ``SPLIT_ROWS_MAX_BATCH`` requests take two 16-row blocks of 64-key tiles with 4 warps and
+    half the SMs' parts (one program a part and block), parts of two tiles; larger batches and
+    ``batch=None`` keep the one-block defaults, as do 16 rows, h=128, the tiny spec, non-Hopper
+    devices and the few-row kernels' switches off. ``mla_decode`` passes its batch size."""
+    import kernels.decode_wgmma as dw
+    from kernels.config import SPLIT_ROWS_MAX_BATCH, _sm_count
+    cuda = torch.device("cuda")
+    h16 = ModelSpec(num_heads=16)
+    monkeypatch.setattr(dw, "WGMMA_DECODE", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    half = _sm_count(cuda) // 2
+    for fp8 in (True, False):
+        big = default_config(h16, 2, cuda, fp8=fp8)
+        for batch in (1, 4, SPLIT_ROWS_MAX_BATCH):
+            cfg = default_config(h16, 2, cuda, fp8=fp8, batch=batch)
+            assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_parts, cfg.min_tiles_per_part) == \
+                (16, 64, 4, half, 2), (fp8, batch, cfg)
+            assert not cfg.fp8_grouped and cfg.m_blocks(2, 16) == 2
+        for batch in (SPLIT_ROWS_MAX_BATCH + 1, 32, 128):
+            assert default_config(h16, 2, cuda, fp8=fp8, batch=batch) == big, (fp8, batch)
+        assert big.block_m in (32, 64)
+        for heads, s_q in ((16, 1), (128, 1), (128, 2)):
+            spec = ModelSpec(num_heads=heads)
+            assert default_config(spec, s_q, cuda, fp8=fp8, batch=1) == default_config(spec, s_q, cuda, fp8=fp8)
+        tiny = ModelSpec.tiny(num_heads=16)
+        assert default_config(tiny, 2, cuda, fp8=fp8, batch=1) == default_config(tiny, 2, cuda, fp8=fp8)
+    for switch, fp8 in (("WGMMA_WS", True), ("WGMMA_KT", False)):
+        monkeypatch.setattr(dw, switch, False)
+        assert default_config(h16, 2, cuda, fp8=fp8, batch=1) == default_config(h16, 2, cuda, fp8=fp8), switch
+        monkeypatch.setattr(dw, switch, True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert default_config(h16, 2, cuda, fp8=True, batch=1) == default_config(h16, 2, cuda, fp8=True)
+    # mla_decode's default: the batch of its q (a CPU run: the interpreter's blocks either way)
+    seen = []
+    real = kernels.decode.default_config
+
+    def spy(*args, **kw):
+        seen.append(kw.get("batch"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kernels.decode, "default_config", spy)
+    spec = ModelSpec.tiny(num_heads=4)
+    case = make_case(spec, seq_lens=[33, 7, 0], q_lens=[2, 1, 0], s_q=2, page_size=4, kv_dtype="bf16", seed=12)
+    kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    assert seen == [3]
+
+
 # --------------------------------------------------------------------------- FP8 TMA path
 
 @pytest.fixture

@@ -85,15 +85,19 @@ def test_wgmma_plan_takes_fp8_few_row_blocks_of_128_keys(monkeypatch):
 
 
 def test_wgmma_plan_takes_fp8_16_row_blocks_of_64_keys_with_4_warps(monkeypatch):
-    """The warp-specialised kernel's shape: an FP8 cache with bf16 queries, every query row of
-    a request in one 16-row block, 64-key tiles, 4 (consumer) warps, on Hopper; its own
-    switch, and the keys-on-M kernel's does not turn it off. (A 16-bit cache in this shape goes
-    to the TMA keys-on-M kernel.)"""
+    """The few-row FP8 kernels' shape: an FP8 cache with bf16 queries, 16-row blocks, 64-key
+    tiles, 4 (consumer) warps, on Hopper; their switch, and the keys-on-M kernel's does not turn
+    it off. More query rows than one block take as many blocks, only where the register-operand
+    kernel can run them (``rs_plan``: the warp-specialised one takes one block), else the reason.
+    (A 16-bit cache in this shape goes to the TMA keys-on-M kernel.)"""
     kw = dict(rank=512, rope_dim=64, block_m=16, block_n=64, num_warps=4, capability=(9, 0))
     fkv = torch.empty(4, 64, 656, dtype=torch.uint8)
-    for heads, s_q in ((16, 1), (8, 2), (12, 1), (1, 1)):
+    for heads, s_q in ((16, 1), (8, 2), (12, 1), (1, 1), (16, 2), (20, 1), (128, 1)):
         assert dw.wgmma_plan(_q(heads, s_q), fkv, **kw) is None, (heads, s_q)
-    assert "32 query rows in a 16-row block" in dw.wgmma_plan(_q(16, 2), fkv, **kw)
+    odd = torch.empty(4, 48, 656, dtype=torch.uint8)  # pages TMA cannot copy (rs_plan refuses)
+    assert dw.wgmma_plan(_q(16, 1), odd, **kw) is None  # one block: the warp-specialised kernel
+    why = dw.wgmma_plan(_q(16, 2), odd, **kw)
+    assert "32 query rows in 16-row blocks" in why and "neither a multiple nor a divisor" in why, why
     # a 16-bit cache in this shape is the TMA keys-on-M kernel's (kt_plan: its own test)
     assert dw.wgmma_plan(_q(16, 1), torch.empty(4, 64, 1, 576, dtype=torch.bfloat16), **kw) is None
     assert "queries" in dw.wgmma_plan(_q(16, 1, torch.float16), fkv, **kw)
@@ -134,8 +138,8 @@ def test_kt_plan_takes_the_16_row_16_bit_launches_its_tma_copies_fit(monkeypatch
     keys-on-M kernel (kernels/decode_wgmma_kt.py) when its boxes can copy the cache: contiguous
     ``[num_blocks, page, 1, d]``, 16-byte aligned, 16-byte rows, pages that hold whole 64-key
     tiles or that a tile holds whole in boxes of 8-row multiples; its switch. ``wgmma_plan``
-    gives the reason when not (the Triton kernel then runs the launch), and refuses more query
-    rows than the block."""
+    gives the reason when not (the Triton kernel then runs the launch), and takes more query
+    rows than the block in several blocks."""
     def cache(page, d=576, dtype=torch.bfloat16, nb=4):
         return torch.empty(nb, page, 1, d, dtype=dtype)
 
@@ -154,9 +158,9 @@ def test_kt_plan_takes_the_16_row_16_bit_launches_its_tma_copies_fit(monkeypatch
                              capability=(9, 0))
     assert plan(q, cache(64)) is None
     assert "neither a multiple" in plan(q, cache(48))
-    assert "32 query rows" in plan(torch.empty(2, 2, 16, 576, dtype=torch.bfloat16), cache(64))
-    assert plan(torch.empty(2, 2, 16, 576, dtype=torch.bfloat16), cache(64), block_m=32) is None
-    assert "48 query rows" in plan(torch.empty(2, 3, 16, 576, dtype=torch.bfloat16), cache(64), block_m=32)
+    # more query rows than the block: as many blocks (one program a part and block)
+    for s_q, block_m in ((2, 16), (2, 32), (3, 32), (8, 16)):
+        assert plan(torch.empty(2, s_q, 16, 576, dtype=torch.bfloat16), cache(64), block_m=block_m) is None
     assert "block 32x64" in plan(q, torch.empty(4, 64, 656, dtype=torch.uint8), block_m=32)  # not for FP8
     monkeypatch.setattr(dw, "WGMMA_KT", False)
     assert "WGMMA_KT is off" in dw.kt_plan(cache(64), 64)
@@ -456,6 +460,41 @@ def test_decode_wgmma_kt_matches_reference_gpu(heads, s_q, page, kv, big_q, part
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
+_ROW_BLOCK_CASES = [("fp8", 16, 2, 64), ("fp8", 16, 2, 16), ("fp8", 20, 1, 64), ("fp8", 8, 4, 32), ("fp8", 128, 1, 64),
+                    ("bf16", 16, 2, 64), ("bf16", 16, 2, 8), ("fp16", 20, 1, 32), ("bf16", 8, 4, 64),
+                    ("bf16", 128, 1, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv,heads,s_q,page,big_q", [c + (False, ) for c in _ROW_BLOCK_CASES] +
+                         [c + (True, ) for c in _ROW_BLOCK_CASES if c[1:3] == (16, 2) and c[3] == 64])
+@pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
+def test_few_row_kernels_in_several_row_blocks_match_reference_gpu(kv, heads, s_q, page, big_q, parts, monkeypatch):
+    """The few-row TMA kernels (FP8: kernels/decode_wgmma_rs.py, 16-bit: kernels/decode_wgmma_kt.py)
+    with more query rows than their 16-row block, one program a part and row block (grid
+    ``(num_parts, m_blocks)``): h=16 x 2 in two blocks (the CUDA default at small batches,
+    ``default_config``'s ``batch``), h=20 in two with 12 padding rows in the second, h=8 x 4 with
+    mixed query lengths (a block holding two tokens' rows), h=128 in eight. Against mla_ref at
+    DeepSeek size, lengths around tiles and pages, a 9000-key request split over many parts,
+    empty requests, NaN in every stale slot and padding query token; ``big_q`` and ``parts`` as
+    in the keys-on-M test. Which kernel ran is asserted."""
+    fp8 = kv == "fp8"
+    calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_rs" if fp8 else "launch_decode_wgmma_kt")
+    spec = ModelSpec(num_heads=heads)
+    cuda = torch.device("cuda")
+    m_blocks = -(-heads * s_q // 16)
+    cfg = default_config(spec, s_q, cuda, fp8=fp8, batch=1).with_(
+        block_m=16, block_n=64, num_warps=4, num_stages=1, min_tiles_per_part=2, fp8_grouped=False,
+        num_parts=max(1, torch.cuda.get_device_properties(0).multi_processor_count // m_blocks))
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if hopper and (heads, s_q) == (16, 2):  # the shipped small-batch default is this config
+        assert default_config(spec, s_q, cuda, fp8=fp8, batch=1) == cfg
+    _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000],
+                    47, kv=kv)
+    assert len(calls) == (1 if hopper else 0)
+    assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,s_q,page", [(128, 1, 64), (128, 1, 16), (128, 2, 128), (64, 1, 32), (20, 4, 64)])
 @pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
@@ -594,6 +633,8 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
     # one takes h=16 FP8 s_q=2 with the warp-specialised 64-row one off
     monkeypatch.setattr(dw, "WGMMA_PP", kernel == "_decode_pp_kernel")
     monkeypatch.setattr(dw, "WGMMA_WS64", kernel != "_decode_keys_kernel")
+    # (and the few-row FP8 kernels off, whose two 16-row blocks take h=16 x 2 at small batches)
+    monkeypatch.setattr(dw, "WGMMA_WS", kernel != "_decode_keys_kernel")
 
     class Unbuildable:
         def __getitem__(self, grid):
