@@ -1,5 +1,5 @@
-"""Hopper split-KV decode of a 16-bit cache for up to 32 query rows: TMA copies of the cache rows,
-keys on the wgmma M axis (Gluon, GPU only).
+"""Hopper split-KV decode of a 16-bit cache in blocks of up to 32 query rows: TMA copies of the
+cache rows, keys on the wgmma M axis (Gluon, GPU only).
 
 The same contract, plan and stores as ``decode_split._decode_split_kernel`` (grid ``(num_parts,
 m_blocks)``; a request that is not split stores ``out``/``lse``, a split one its fp32 partial), for a

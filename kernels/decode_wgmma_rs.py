@@ -1,4 +1,4 @@
-"""Hopper FP8 split-KV decode for up to 16 query rows with each key tile's codes converted in
+"""Hopper FP8 split-KV decode in blocks of 16 query rows with each key tile's codes converted in
 registers: TMA copies of the raw cache rows, wgmma with its A operand in registers (Gluon, GPU
 only).
 

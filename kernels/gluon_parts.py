@@ -198,9 +198,9 @@ if gluon is not None:
     def copy_q_rope_now(q_rope_s, q_row, r_rope, c_rope, ROWS, RANK: gl.constexpr):
         """Copy a request's q rope into ``q_rope_s`` (``[R, ROPE]``, 16-bit) and wait until it has
         landed and is visible to the dots of every warp of the partition: ``q_row`` points at the
-        request's q (``[ROWS, RANK + ROPE]``), ``r_rope`` / ``c_rope`` are ``arange(R)`` /
-        ``arange(ROPE)`` in the row / column slices of the copy's layout; rows at or past
-        ``ROWS`` (padding) land as zeros. ``cp.async``, with every earlier group of the thread
+        request's q (``[ROWS, RANK + ROPE]``), ``r_rope`` / ``c_rope`` are the block's rows
+        (``row0 + arange(R)``) / ``arange(ROPE)`` in the row / column slices of the copy's layout;
+        rows at or past ``ROWS`` (padding) land as zeros. ``cp.async``, with every earlier group of the thread
         waited for too."""
         ROPE: gl.constexpr = q_rope_s.shape[1]
         async_copy.async_copy_global_to_shared(
