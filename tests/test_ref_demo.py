@@ -23,6 +23,14 @@ def test_demo_module_entry_point_exits_zero(monkeypatch, capsys):
     second interpreter start-up."""
     monkeypatch.setattr(sys, "argv", ["mla_ref.demo", "--spec", "tiny", "--batch", "2", "--dtype", "bf16",
                                       "--max-seq-len", "20"])
+    # With the project installed editable (the README's set-up), pytest's assertion rewriter
+    # claims its packages (they ship the pytest plugin) and, having no get_code, breaks
+    # runpy's import (pytest 9: "'AssertionRewritingHook' object has no attribute
+    # 'get_code'"); `python -m` runs without it, so this does too: the module found afresh
+    # (not the rewritten one this file imported) by the finders other than the rewriter
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
+                                           if type(f).__name__ != "AssertionRewritingHook"])
+    monkeypatch.delitem(sys.modules, "mla_ref.demo", raising=False)
     with pytest.raises(SystemExit) as info:
         runpy.run_module("mla_ref.demo", run_name="__main__", alter_sys=True)
     assert info.value.code == 0
