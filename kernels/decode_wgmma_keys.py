@@ -85,7 +85,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 from .gluon_parts import (part_bounds, q_rows_to_fp16, request_span, row_copy_layout, softmax_keys_step,
-                          store_keys_result, wait_prior_grid, wgmma_layout)
+                          softmax_result, store_keys_result, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_keys", "KEYS_BLOCK_N"]
@@ -417,10 +417,7 @@ if gluon is not None:
                         nxt_k = nxt2_k
                         k0, k1, k2, k3 = j0, j1, j2, j3
 
-                l_i = gl.sum(l_p, axis=0)
-                has_keys = l_i > 0.0
-                l_safe = gl.where(has_keys, l_i, 1.0)
-                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                l_safe, lse2 = softmax_result(m_i, gl.sum(l_p, axis=0))
                 if GROUPED:
                     inv_l = 1.0 / (l_safe * PV_SCALE)
                 else:

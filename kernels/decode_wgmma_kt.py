@@ -62,8 +62,9 @@ try:
 except Exception:  # pragma: no cover - a Gluon without host-side TMA descriptors
     TensorDescriptor = None
 
-from .gluon_parts import (part_bounds, request_span, row_copy_layout, softmax_keys_step, start_request_rows,
-                          store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid, wgmma_layout)
+from .gluon_parts import (part_bounds, request_span, row_copy_layout, softmax_keys_step, softmax_result,
+                          start_request_rows, store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid,
+                          wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_kt", "kt_descriptor", "kt_descriptors_available", "KT_STAGES", "KT_CHUNK"]
@@ -195,10 +196,7 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(s))
                     it += 1
 
-                l_i = gl.sum(l_p, axis=0)
-                has_keys = l_i > 0.0
-                l_safe = gl.where(has_keys, l_i, 1.0)
-                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                l_safe, lse2 = softmax_result(m_i, gl.sum(l_p, axis=0))
                 inv_o = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(0, OUT_L))
                 accs = (a0, a1, a2, a3, a4, a5, a6, a7)
                 for c in gl.static_range(NL):

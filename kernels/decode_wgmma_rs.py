@@ -105,7 +105,8 @@ except Exception:  # pragma: no cover - a Gluon without host-side TMA descriptor
     TensorDescriptor = None
 
 from .gluon_parts import (copy_q_rope_now, part_bounds, request_span, row_copy_layout, softmax_keys_step,
-                          store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid, wgmma_layout)
+                          softmax_result, store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid,
+                          wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_rs", "rs_descriptors", "rs_descriptors_available", "RS_STAGES"]
@@ -384,10 +385,7 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(s))
                     it += 1
 
-                l_i = gl.sum(l_p, axis=0)
-                has_keys = l_i > 0.0
-                l_safe = gl.where(has_keys, l_i, 1.0)
-                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                l_safe, lse2 = softmax_result(m_i, gl.sum(l_p, axis=0))
                 inv_l = 1.0 / (l_safe * PV_SCALE)
                 inv_o = gl.convert_layout(inv_l, gl.SliceLayout(0, OUT_L), assert_trivial=True)
                 store_keys_part(_unpermute(aa, OUT_L), GA * GROUP, inv_o, r_out, c_out, b64, nsplit, p_row, partial_cap,

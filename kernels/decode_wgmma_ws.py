@@ -83,7 +83,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 from .gluon_parts import (copy_q_rope_now, part_bounds, q_rows_to_fp16, request_span, row_copy_layout,
-                          softmax_keys_step, store_keys_result, wait_prior_grid, wgmma_layout)
+                          softmax_keys_step, softmax_result, store_keys_result, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
@@ -288,10 +288,7 @@ if gluon is not None:
                     mbarrier.arrive(empty.index(s))
                     it += 1
 
-                l_i = gl.sum(l_p, axis=0)
-                has_keys = l_i > 0.0
-                l_safe = gl.where(has_keys, l_i, 1.0)
-                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                l_safe, lse2 = softmax_result(m_i, gl.sum(l_p, axis=0))
                 inv_l = 1.0 / (l_safe * PV_SCALE)
                 store_keys_result(a0, a1, a2, a3, inv_l, lse2, r, c, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
                                   po_ptr, plse_ptr, ROWS, SQ, H, RANK, GROUP)

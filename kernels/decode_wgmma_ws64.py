@@ -126,8 +126,8 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
     gluon = None
 
 from .gluon_parts import (key_rows, part_bounds, program_rows, request_span, row_copy_layout, rows_tile_step,
-                          softmax_keys_step, start_request_rows, store_keys_lse, store_keys_part, store_rows_result,
-                          tile_page, wait_prior_grid, wgmma_layout)
+                          softmax_keys_step, softmax_result, start_request_rows, store_keys_lse, store_keys_part,
+                          store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS", "W64_KEYS_ROWS"]
@@ -368,10 +368,7 @@ if gluon is not None:
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index((it + NB - 1) % NB))
 
-                l_i = gl.sum(l_p, axis=0)
-                has_keys = l_i > 0.0
-                l_safe = gl.where(has_keys, l_i, 1.0)
-                lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+                l_safe, lse2 = softmax_result(m_i, gl.sum(l_p, axis=0))
                 store_keys_part(acc, 0, 1.0 / l_safe, r, c, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS,
                                 RANK)
                 store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)

@@ -26,7 +26,8 @@ find a tile's cache rows alike: its page read a tile or two ahead when a page ho
 (``tile_page``, ``key_rows``), and start their programs alike (``program_rows``); the
 warp-specialised one's two consumers start a request alike (``start_request_rows``). Every kernel
 builds its register layouts from ``row_copy_layout`` (16-byte vectors along rows) and
-``wgmma_layout``, and, launched with programmatic dependent launch, waits with
+``wgmma_layout``, ends its rows' softmax alike (``softmax_result``: a row without keys gets
+``out`` 0 and ``lse`` -inf), and, launched with programmatic dependent launch, waits with
 ``wait_prior_grid`` (``kernels/pdl.py``). Moving the kernels' shared lines here left their SASS
 unchanged (compiled for sm_90 with Triton 3.6, every kernel and path, compared as text).
 """
@@ -43,8 +44,8 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 __all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "program_rows",
            "request_span", "tma_tile_walk", "tile_page", "key_rows", "q_rows_to_fp16", "copy_q_rope_now",
-           "softmax_keys_step", "store_keys_result", "store_keys_part", "store_keys_lse", "copy_q_rows",
-           "start_request_rows", "softmax_rows_step", "store_rows_result"]
+           "softmax_keys_step", "softmax_result", "store_keys_result", "store_keys_part", "store_keys_lse",
+           "copy_q_rows", "start_request_rows", "softmax_rows_step", "store_rows_result"]
 
 if gluon is not None:
 
@@ -259,6 +260,17 @@ if gluon is not None:
             gl.store(plse_ptr + p64 * ROWS + r, lse2, mask=row_ok)
 
     @gluon.jit
+    def softmax_result(m_i, l_i):
+        """The end of a row's online softmax (``m_i`` / ``l_i``: its running log2 max and sum,
+        fp32, any shape): ``(l_safe, lse2)`` -- what its accumulator is divided by (1 for a row
+        without keys, whose accumulator is 0: its ``out`` is 0) and its log2-sum-exp (-inf for
+        such a row), the stores' convention for every kernel."""
+        has_keys = l_i > 0.0
+        l_safe = gl.where(has_keys, l_i, 1.0)
+        lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+        return l_safe, lse2
+
+    @gluon.jit
     def store_keys_part(a, col0, inv_l, r, c, b64, nsplit, p_row, partial_cap, out_ptr, po_ptr, ROWS,
                         RANK: gl.constexpr):
         """One part ``a`` of a keys-on-M kernel's accumulator ``acc^T`` (fp32 ``[C, R]``: latent
@@ -383,9 +395,7 @@ if gluon is not None:
         log2 lse ``[cap, ROWS]``) while ``p_row < partial_cap``. A row without keys gets ``out`` 0
         and ``lse`` -inf."""
         LN2: gl.constexpr = 0.6931471805599453
-        has_keys = l_i > 0.0
-        l_safe = gl.where(has_keys, l_i, 1.0)
-        lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+        l_safe, lse2 = softmax_result(m_i, l_i)
         o = acc / gl.convert_layout(l_safe, ROW_A)[:, None]
         m_s = row0 + gl.arange(0, BLOCK_M, layout=ROW_S)
         row_ok = m_s < ROWS
