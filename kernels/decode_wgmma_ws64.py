@@ -105,7 +105,14 @@ loading each tile's codes straight into registers (groups 0-1 before the buffer 
 rope and scales still by ``cp.async``, the bf16 tile stored once) was bit for bit the same and
 0.64-0.84x (0.76-0.91x with 72 producer registers) over FP8 h=128 and h=16 x 2
 (``h100-2026-11-27-ws64-codes-in-registers.json``): ``cp.async`` keeps many more bytes in flight
-than 64 registers a thread can.
+than 64 registers a thread can. Nor is the conversion's arithmetic what sets the pace: fp16 keys
+(codes converted exactly and multiplied in fp16 by ``fp16(scale * 2**c)``, ``c`` a power of two a
+tile from its largest scale, q's latent and P in fp16, the accumulator rescaled by the tiles'
+factors with the softmax's ``alpha``) take two thirds of the producer's instructions a code
+away, but ran 0.93-0.98x at h=128 and 0.98-1.01x at h=16 x 2, correct and within 0.016 of this
+kernel's outputs (``h100-2026-11-27-ws64-fp16-keys.json``): the factor's reduction across the
+producer's warps, the rope dot's separate wait or accumulator and q converted through registers
+cost more than the conversion saved.
 
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
