@@ -62,7 +62,11 @@ copy rate), B=8 L=16k 59.9 -> 49.8 us. The steps there:
 
 Not kept: 32 query rows (FP8 h=16 s_q=2, in place of ``decode_wgmma_ws64``'s keys-on-M
 consumer): correct, but 0.75-0.96x below 512k tokens, 1.03-1.11x above. That variant spills
-260 bytes, with its two group operands converted one after the other.
+260 bytes, with its two group operands converted one after the other. Rechecked on the current
+code (one operand at a time: 40 bytes of spills), 0.82-0.98x and 1.04-1.11x
+(``h100-2026-11-27-rs32-recheck.json``). Four consumer warpgroups of one group each do not fit:
+20 warps leave at most 96 registers a thread at launch, and with 104-120 a consumer spills over
+1000 bytes (same json).
 
 Mutants (``h100-2026-11-27-wgmma-rs-mutants.json``, the 28 register-operand cases of
 ``tests/test_kernels_wgmma.py::test_decode_wgmma_ws_matches_reference_gpu``):
