@@ -112,7 +112,10 @@ factors with the softmax's ``alpha``) take two thirds of the producer's instruct
 away, but ran 0.93-0.98x at h=128 and 0.98-1.01x at h=16 x 2, correct and within 0.016 of this
 kernel's outputs (``h100-2026-11-27-ws64-fp16-keys.json``): the factor's reduction across the
 producer's warps, the rope dot's separate wait or accumulator and q converted through registers
-cost more than the conversion saved.
+cost more than the conversion saved. Nor is it the copy latency two buffers leave in the
+producer's path: 32-key tiles in three or four buffers (the producer up to three tiles ahead, in
+the same shared memory) ran 0.68-0.95x over FP8 h=128 (``h100-2026-11-27-ws64-32-key-tiles.json``),
+twice the tiles' hand-overs and softmax steps costing more than the deeper ring hides.
 
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
