@@ -23,11 +23,12 @@ shared buffers and two mbarriers a buffer (ready / empty):
   3 over its own and group 2's once every thread holds them (barriers between). Keys past
   ``seq_len`` are masked copies, which land as zeros (a NaN-poisoned stale slot never reaches
   a dot).
-- the *consumer* (8 warps, two warpgroups; the launch's ``num_warps``) is the loop of
-  ``decode_wgmma`` without its copies and conversion: per tile it waits for the PV dot of the
-  tile before and hands that tile's buffer back, waits for this tile's buffer to be ready,
-  runs ``S = Q K^T`` (each warpgroup 32 keys), the softmax (row max and sum across both
-  warpgroups) and issues ``acc += P V`` (each warpgroup 256 of the 512 columns).
+- the *consumer* (8 warps, two warpgroups; the launch's ``num_warps``; at up to 32 rows one
+  warpgroup, below) is the loop of ``decode_wgmma`` without its copies and conversion: per
+  tile it waits for the PV dot of the tile before and hands that tile's buffer back, waits for
+  this tile's buffer to be ready, runs ``S = Q K^T`` (each warpgroup 32 keys), the softmax (row
+  max and sum across both warpgroups) and issues ``acc += P V`` (each warpgroup 256 of the 512
+  columns).
 
 Shared memory at rank 512 + rope 64: q 72 KiB, P 8 KiB, two buffers of a K tile (64 KiB), its
 rope (8 KiB) and its scales (1 KiB): 226 KiB of the H100's 227 -- the 16-bit kernel's two tiles
@@ -79,6 +80,13 @@ in one command over the full grid (``h100-2026-11-26-kernel-23*.json``): 1.005-1
 (``h100-2026-11-26-ws64-keys.json``). Its K tile is read by both warpgroups (the 64-row
 consumer splits the keys between them and reads q twice instead), so by its dots' operand sizes
 it reads about as much shared memory a tile (~310 KiB); what it saves is the padding rows' dots.
+Since 2026-11-27 that consumer is one warpgroup holding all 32 rows (``W64_KEYS_WARPS`` = 4:
+``[4, 1]`` warps, the launch's 4 warps beside the producer's 4, ``W64_KEYS_MAXNREG`` registers:
+its accumulator ``acc^T [512, 32]`` is 128 a thread), so each dot reads the K tile once (about
+170 KiB a tile instead of 310). Outputs bit for bit the two-warpgroup consumer's; against it, in
+one process on an H100 (FP8 h=16 s_q=2, B 8-128, L 1k-16k,
+``h100-2026-11-27-ws64-keys-one-warpgroup.json``): 0.997-1.050x, B=8 L=16k 69.2 -> 66.6 us,
+B=128 L=16k 773 -> 736.
 
 Where the time goes at h=16 s_q=2 (``h100-2026-11-26-ws-ablations.json``, B=128, L=16k, 64-row
 consumer): the producer alone 601 us, the consumer alone 603, together 782 (the read floor of
@@ -153,6 +161,11 @@ W64_MAXNREG = 168
 #: launches of at most this many query rows a request (up to 32) take the keys-on-M consumer
 #: (module doc); 0 sends every launch to the 64-row one
 W64_KEYS_ROWS = 32
+#: warps of the keys-on-M consumer, the launch's ``num_warps``: 4 (one warpgroup, every row, the
+#: K tile read once a dot: 1.00-1.05x two, module doc) or 8 (two warpgroups, half the rows each)
+W64_KEYS_WARPS = 4
+#: the register cap with a one-warpgroup keys-on-M consumer: 8 warps x 32 threads x this <= 64K
+W64_KEYS_MAXNREG = 240
 
 if gluon is not None:
 
@@ -327,15 +340,17 @@ if gluon is not None:
                            plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s, k_rope_s, ready,
                            empty, RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
                            NB: gl.constexpr):
-        # The consumer for up to BLOCK_R (32) query rows: the keys on the wgmma M axis (module doc),
-        # each warpgroup the dots of half the rows -- S^T [keys, rows], acc^T [RANK, rows] -- so
-        # neither the padding of a 64-row block nor any exchange between the warpgroups is paid
-        # [4, 2]: a warpgroup's four warps split the keys / latent columns, the two warpgroups the rows
-        MMA_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_R // 2)
+        # The consumer for up to BLOCK_R (32) query rows: the keys on the wgmma M axis (module doc)
+        # -- S^T [keys, rows], acc^T [RANK, rows] -- so that no padding rows of a 64-row block are
+        # computed. [4, CW]: a warpgroup's four warps split the keys / latent columns; with one
+        # warpgroup (W64_KEYS_WARPS = 4) it holds every row and reads the K tile once a dot, with
+        # two each takes half the rows (no exchange between them either way)
+        CW: gl.constexpr = gl.num_warps() // 4
+        MMA_L: gl.constexpr = wgmma_layout([4, CW], BLOCK_R // CW)
         KEY_L: gl.constexpr = gl.SliceLayout(1, MMA_L)
         ROW_L: gl.constexpr = gl.SliceLayout(0, MMA_L)
-        Q_L: gl.constexpr = row_copy_layout(8, 32, 8)
-        QR_L: gl.constexpr = row_copy_layout(8, 8, 8)
+        Q_L: gl.constexpr = row_copy_layout(8, 32, gl.num_warps())
+        QR_L: gl.constexpr = row_copy_layout(8, 8, gl.num_warps())
 
         ROWS = SQ * H
         b_first, t_first, j_first, b_end, t_end, b_last = part_bounds(part_ptr, gl.program_id(0))
@@ -390,9 +405,10 @@ if gluon is not None:
                             TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             PDL: gl.constexpr, KEYS: gl.constexpr):
-        # BLOCK_M: a program's query rows, 64, or 32 with the keys-on-M consumer (KEYS)
+        # BLOCK_M: a program's query rows, 64, or 32 with the keys-on-M consumer (KEYS); the launch's
+        # warps: the consumer's, 8 (two warpgroups) or, keys-on-M, 4
         gl.static_assert(BLOCK_M == (32 if KEYS else 64))
-        gl.static_assert(gl.num_warps() == 8)
+        gl.static_assert(gl.num_warps() == 8 or (KEYS and gl.num_warps() == 4))
         wait_prior_grid(PDL)  # before any read of the plan (kernels/pdl.py)
         gl.static_assert(RANK // GROUP == 4)
         DT: gl.constexpr = q_ptr.dtype.element_ty
@@ -439,7 +455,8 @@ def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
     """Launch this kernel (arguments as ``decode_split.launch_decode_split``; the caller has
     checked ``decode_wgmma.wgmma_plan``). Shapes: q ``[B, s_q, h, rank + rope]`` bf16;
     kv_cache uint8 ``[num_blocks, page, rank + 4 * groups + 2 * rope]``; block_m 64, block_n
-    64; the rest as the Triton launcher."""
+    64; the rest as the Triton launcher. Up to 32 query rows take the keys-on-M consumer in
+    ``W64_KEYS_WARPS`` warps (with the producer's beside them), more the 64-row one in 8."""
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = -(-(s_q * h) // block_m)
@@ -451,4 +468,5 @@ def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
         PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
         BLOCK_M=32 if keys else block_m, BLOCK_N=block_n, NB=W64_BUFS, PRODUCER_WARPS=W64_PRODUCER_WARPS,
-        PRODUCER_REGS=W64_PRODUCER_REGS, PDL=pdl, KEYS=keys, num_warps=8, maxnreg=W64_MAXNREG, launch_pdl=pdl)
+        PRODUCER_REGS=W64_PRODUCER_REGS, PDL=pdl, KEYS=keys, num_warps=W64_KEYS_WARPS if keys else 8,
+        maxnreg=W64_KEYS_MAXNREG if keys and W64_KEYS_WARPS == 4 else W64_MAXNREG, launch_pdl=pdl)

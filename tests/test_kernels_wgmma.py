@@ -520,17 +520,18 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
 
 
 class _KernelSpy:
-    """Stands in for a Gluon kernel object: records the ``KEYS`` argument of each launch, then
-    launches the real kernel."""
+    """Stands in for a Gluon kernel object: records the ``KEYS`` argument and the warps of each
+    launch, then launches the real kernel."""
 
     def __init__(self, kernel):
-        self.kernel, self.keys = kernel, []
+        self.kernel, self.keys, self.warps = kernel, [], []
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kw):
             self.keys.append(kw["KEYS"])
+            self.warps.append(kw["num_warps"])
             return launch(*args, **kw)
         return run
 
@@ -540,18 +541,23 @@ class _KernelSpy:
                                             (16, 1, 64)])
 @pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
 @pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
-@pytest.mark.parametrize("keys", [True, False], ids=["keys-on-M", "64-row"])
-def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, keys, monkeypatch):
-    """The warp-specialised FP8 kernel at up to 32 query rows a request, with both consumers:
+@pytest.mark.parametrize("consumer", ["keys-1wg", "keys-2wg", "64-row"])
+def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, consumer, monkeypatch):
+    """The warp-specialised FP8 kernel at up to 32 query rows a request, with each consumer:
     by default the keys-on-M one (``decode_wgmma_ws64.W64_KEYS_ROWS``: scores ``S^T [keys,
-    rows]``, each warpgroup half the rows), and with that switch at 0 the 64-row one (the
-    rows padded to 64), against mla_ref: h=16 x 2 (pages of 16: each key's page through the
-    block table; of 64: a tile's page a tile ahead), h=8 x 4 tokens (32 rows, mixed query
-    lengths, causal within the request), h=20 and h=12 x 2 (padding rows inside the 32), h=16 x
-    1. Requests, NaN poisoning, ``big_q`` and ``parts`` as in the test above. The kernel's
-    launch says which consumer ran."""
+    rows]``) in one warpgroup holding every row (``W64_KEYS_WARPS`` 4) or in two of half the
+    rows each (8), and with that switch at 0 the 64-row one (the rows padded to 64), against
+    mla_ref: h=16 x 2 (pages of 16: each key's page through the block table; of 64: a tile's
+    page a tile ahead), h=8 x 4 tokens (32 rows, mixed query lengths, causal within the
+    request), h=20 and h=12 x 2 (padding rows inside the 32), h=16 x 1. Requests, NaN
+    poisoning, ``big_q`` and ``parts`` as in the test above. The kernel's launch says which
+    consumer ran, in how many warps."""
     import kernels.decode_wgmma_ws64 as dws64
+    keys = consumer != "64-row"
+    if consumer == "keys-1wg":
+        assert dws64.W64_KEYS_WARPS == 4  # the shipped consumer
     monkeypatch.setattr(dws64, "W64_KEYS_ROWS", 32 if keys else 0)
+    monkeypatch.setattr(dws64, "W64_KEYS_WARPS", 8 if consumer == "keys-2wg" else 4)
     spy = _KernelSpy(dws64._decode_ws64_kernel)
     monkeypatch.setattr(dws64, "_decode_ws64_kernel", spy)
     spec = ModelSpec(num_heads=heads)
@@ -560,6 +566,7 @@ def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, keys, mo
     hopper = torch.cuda.get_device_capability()[0] == 9
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 43)
     assert spy.keys == ([keys] if hopper else [])
+    assert spy.warps == ([{"keys-1wg": 4, "keys-2wg": 8, "64-row": 8}[consumer]] if hopper else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
