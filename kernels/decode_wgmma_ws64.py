@@ -86,7 +86,11 @@ its accumulator ``acc^T [512, 32]`` is 128 a thread), so each dot reads the K ti
 170 KiB a tile instead of 310). Outputs bit for bit the two-warpgroup consumer's; against it, in
 one process on an H100 (FP8 h=16 s_q=2, B 8-128, L 1k-16k,
 ``h100-2026-11-27-ws64-keys-one-warpgroup.json``): 0.997-1.050x, B=8 L=16k 69.2 -> 66.6 us,
-B=128 L=16k 773 -> 736.
+B=128 L=16k 773 -> 736. That consumer needs 128 threads x 256 registers, half the register file,
+so the producer beside it can have more warps (``W64_KEYS_PRODUCER_WARPS`` / ``_REGS``): 8 warps
+of 72 registers ran 1.03-1.06x 4 of 64 (B=128 L=16k 734 -> 691 us), 8 x 80 1.03-1.06x, 8 x 64
+1.01-1.05x, 8 x 96 1.01-1.02x, 4 x 128 1.00-1.04x, 16 x 56 0.98-1.00x, all bit for bit the same
+(same json).
 
 Where the time goes at h=16 s_q=2 (``h100-2026-11-26-ws-ablations.json``, B=128, L=16k, 64-row
 consumer): the producer alone 601 us, the consumer alone 603, together 782 (the read floor of
@@ -164,8 +168,12 @@ W64_KEYS_ROWS = 32
 #: warps of the keys-on-M consumer, the launch's ``num_warps``: 4 (one warpgroup, every row, the
 #: K tile read once a dot: 1.00-1.05x two, module doc) or 8 (two warpgroups, half the rows each)
 W64_KEYS_WARPS = 4
-#: the register cap with a one-warpgroup keys-on-M consumer: 8 warps x 32 threads x this <= 64K
-W64_KEYS_MAXNREG = 240
+#: beside a one-warpgroup keys-on-M consumer (which then needs under half the register file), the
+#: producer's warps and registers: 8 x 72 ran 1.03-1.06x 4 x 64 (module doc)
+W64_KEYS_PRODUCER_WARPS = 8
+W64_KEYS_PRODUCER_REGS = 72
+#: the register cap with a one-warpgroup keys-on-M consumer: (4 + 8) warps x 32 threads x this <= 64K
+W64_KEYS_MAXNREG = 168
 
 if gluon is not None:
 
@@ -462,11 +470,14 @@ def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
     m_blocks = -(-(s_q * h) // block_m)
     # up to W64_KEYS_ROWS (at most 32) rows, one row block: the keys-on-M consumer, a 32-row q
     keys = s_q * h <= min(W64_KEYS_ROWS, 32)
+    one_wg = keys and W64_KEYS_WARPS == 4
     pdl = pdl_on(q)
     _decode_ws64_kernel[(num_parts, m_blocks)](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
         PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
-        BLOCK_M=32 if keys else block_m, BLOCK_N=block_n, NB=W64_BUFS, PRODUCER_WARPS=W64_PRODUCER_WARPS,
-        PRODUCER_REGS=W64_PRODUCER_REGS, PDL=pdl, KEYS=keys, num_warps=W64_KEYS_WARPS if keys else 8,
-        maxnreg=W64_KEYS_MAXNREG if keys and W64_KEYS_WARPS == 4 else W64_MAXNREG, launch_pdl=pdl)
+        BLOCK_M=32 if keys else block_m, BLOCK_N=block_n, NB=W64_BUFS,
+        PRODUCER_WARPS=W64_KEYS_PRODUCER_WARPS if one_wg else W64_PRODUCER_WARPS,
+        PRODUCER_REGS=W64_KEYS_PRODUCER_REGS if one_wg else W64_PRODUCER_REGS, PDL=pdl, KEYS=keys,
+        num_warps=W64_KEYS_WARPS if keys else 8, maxnreg=W64_KEYS_MAXNREG if one_wg else W64_MAXNREG,
+        launch_pdl=pdl)

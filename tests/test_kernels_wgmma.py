@@ -520,11 +520,11 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
 
 
 class _KernelSpy:
-    """Stands in for a Gluon kernel object: records the ``KEYS`` argument and the warps of each
-    launch, then launches the real kernel."""
+    """Stands in for a Gluon kernel object: records the ``KEYS`` argument, the warps and the
+    producer's warps of each launch, then launches the real kernel."""
 
     def __init__(self, kernel):
-        self.kernel, self.keys, self.warps = kernel, [], []
+        self.kernel, self.keys, self.warps, self.producer = kernel, [], [], []
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
@@ -532,6 +532,7 @@ class _KernelSpy:
         def run(*args, **kw):
             self.keys.append(kw["KEYS"])
             self.warps.append(kw["num_warps"])
+            self.producer.append(kw["PRODUCER_WARPS"])
             return launch(*args, **kw)
         return run
 
@@ -545,13 +546,13 @@ class _KernelSpy:
 def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, consumer, monkeypatch):
     """The warp-specialised FP8 kernel at up to 32 query rows a request, with each consumer:
     by default the keys-on-M one (``decode_wgmma_ws64.W64_KEYS_ROWS``: scores ``S^T [keys,
-    rows]``) in one warpgroup holding every row (``W64_KEYS_WARPS`` 4) or in two of half the
-    rows each (8), and with that switch at 0 the 64-row one (the rows padded to 64), against
+    rows]``) in one warpgroup holding every row (``W64_KEYS_WARPS`` 4, beside an 8-warp
+    producer) or in two of half the rows each (8, beside a 4-warp one), and with that switch at 0 the 64-row one (the rows padded to 64), against
     mla_ref: h=16 x 2 (pages of 16: each key's page through the block table; of 64: a tile's
     page a tile ahead), h=8 x 4 tokens (32 rows, mixed query lengths, causal within the
     request), h=20 and h=12 x 2 (padding rows inside the 32), h=16 x 1. Requests, NaN
     poisoning, ``big_q`` and ``parts`` as in the test above. The kernel's launch says which
-    consumer ran, in how many warps."""
+    consumer ran, in how many warps, beside how many producer warps."""
     import kernels.decode_wgmma_ws64 as dws64
     keys = consumer != "64-row"
     if consumer == "keys-1wg":
@@ -567,6 +568,7 @@ def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, consumer
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 43)
     assert spy.keys == ([keys] if hopper else [])
     assert spy.warps == ([{"keys-1wg": 4, "keys-2wg": 8, "64-row": 8}[consumer]] if hopper else [])
+    assert spy.producer == ([{"keys-1wg": 8, "keys-2wg": 4, "64-row": 4}[consumer]] if hopper else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
