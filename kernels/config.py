@@ -860,7 +860,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
             # over B 1-128, L 1k-16k, geo-mean 1.03 (B=8, L=16k: 77.2 -> 72.6 us; old and new
             # code in one command, h100-2026-11-26-kernel-19*.json); parts of four tiles ran
             # B=8, L=1k 0.85x (h100-2026-11-26-h16-routes.json). That kernel runs these launches
-            # through its keys-on-M consumer (no padding rows; 1.03x geo-mean, -kernel-23*.json)
+            # through its keys-on-M consumer (no padding rows; 1.03x geo-mean, -kernel-23*.json),
+            # since kernel-30 one warpgroup of every row beside an 8-warp producer (its launcher's
+            # warps, whatever this config's 8)
             stages = 1
         elif fp8 and _keys_device():
             # FP8: the keys-on-M Gluon kernel (kernels/decode_wgmma_keys.py; 128-key tiles, the
