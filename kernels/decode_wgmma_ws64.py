@@ -129,6 +129,38 @@ producer's path: 32-key tiles in three or four buffers (the producer up to three
 the same shared memory) ran 0.68-0.95x over FP8 h=128 (``h100-2026-11-27-ws64-32-key-tiles.json``),
 twice the tiles' hand-overs and softmax steps costing more than the deeper ring hides.
 
+**Staged stores.** A program whose part holds several requests pays a lot for each request
+it moves on to: at h=128 s_q=1 with 32 tiles a part, B=128 L=1k (two whole requests a part,
+none split) took 129.7 us in the decode kernel and B=32 L=4k (half a request a part) 111.6
+(CUPTI, ``h100-2026-11-27-request-switch-fixed-cost-B*.json``); in the kernel's timeline
+(``-request-switch-timeline.json``) the second request's 16 tiles and the move to it took 64.5
+us against 52 for the other case's second 16 tiles, and the last result's stores 8 us (bf16
+``out``) against 5.4 (an fp32 partial, twice the bytes). From the accumulator's layout a thread
+stores ``out`` as 4-byte pairs, a warp instruction eight 16-byte pieces of eight rows. So the
+64-row consumer writes an unsplit request's ``out`` into q's latent buffer (``[64, 512]`` of
+q's dtype, which no dot reads after the request's last QK: past that tile's barrier) and stores
+it from there in 16-byte vectors along whole rows (``gluon_parts.store_out_staged``); the next
+request's q copy waits for the barrier at its start as before. Split requests' fp32 partials
+(128 KiB, twice the buffer) keep the direct stores. Against the direct stores, in one process on
+an H100 (``h100-2026-11-27-ws64-staged-out.json``, FP8 h=128, B 8-128, L 1k-16k, bit for bit
+the same): 1.08x at B=128 L=1k s_q=1 (135.8 -> 125.5 us), 1.11x at B=32 L=1k s_q=2 (73.2 -> 66.2),
+1.01-1.02x at B=128 s_q=2 and B=32 L=16k s_q=2, 0.99-1.00x where all requests are split -- except
+at B=8, where the kernel compiled with the staged path (its consumer spilling 140 bytes instead
+of 80, in the per-request set-up) ran 0.97-0.99x though it never takes it. So a launch compiles
+it only when the plan's parts can hold whole requests, ``num_parts <= 2 B``
+(``W64_STAGE_OUT_PARTS_PER_REQUEST``: at h=128 the 64-row configs' 66 parts at s_q=1 and 33 at
+s_q=2 stage from B=33 / B=17). The same for the keys-on-M consumer (``out`` ``[32, 512]``
+through q's buffer, from the transposed accumulator) ran 0.99-1.005x over FP8 h=16 s_q=2 (same
+json, its h=16 rows) and is not used. Nor was the q copy the cost of the move: copying the next
+request's q while a request's last PV dot and stores run (``cp.async`` issued past the last
+QK's barrier, waited for at the next request's start) was bit for bit the same and 0.99-1.01x
+at h=128, 0.97-0.99x at h=16 x 2 (``h100-2026-11-27-ws64-q-ahead.json``). Mutants of the staged
+stores (``h100-2026-11-27-ws64-staged-out-mutants.json``, the 20 staged cases of
+``test_decode_wgmma_ws64_matches_reference_gpu``): the block's row offset dropped (16 fail),
+padding rows unmasked (4 fail: h=20 x 4, the rows past the request spill into the next), the
+columns read back reversed (20 fail); the barrier between the buffer's store and its read-back
+dropped is a race no case observed on the H100.
+
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
 ``config.default_config`` gives FP8 64-row blocks of 64-key tiles with 8 warps on Hopper at
@@ -152,7 +184,8 @@ from .gluon_parts import (key_rows, part_bounds, program_rows, request_span, row
                           store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
-__all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS", "W64_KEYS_ROWS"]
+__all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS", "W64_KEYS_ROWS",
+           "W64_STAGE_OUT_PARTS_PER_REQUEST"]
 
 #: tile buffers handed between the two partitions (two fill the shared memory)
 W64_BUFS = 2
@@ -172,6 +205,11 @@ W64_KEYS_WARPS = 4
 #: producer's warps and registers: 8 x 72 ran 1.03-1.06x 4 x 64 (module doc)
 W64_KEYS_PRODUCER_WARPS = 8
 W64_KEYS_PRODUCER_REGS = 72
+#: the 64-row consumer stores unsplit requests' ``out`` through q's latent buffer in whole rows (module
+#: doc, "Staged stores") in launches of at most this many parts a request of the padded batch (where
+#: parts hold whole requests: 1.08-1.11x; with it compiled in, launches whose requests are all split ran
+#: 0.97-0.99x); 0: never
+W64_STAGE_OUT_PARTS_PER_REQUEST = 2
 #: the register cap with a one-warpgroup keys-on-M consumer: (4 + 8) warps x 32 threads x this <= 64K
 W64_KEYS_MAXNREG = 168
 
@@ -301,7 +339,7 @@ if gluon is not None:
     def _w64_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
                       plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s, k_rope_s, ready, empty,
                       RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NB: gl.constexpr):
+                      NB: gl.constexpr, STAGE_OUT: gl.constexpr):
         # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
         S_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_N // 2)
         ACC_L: gl.constexpr = wgmma_layout([4, 2], RANK // 2)
@@ -340,8 +378,9 @@ if gluon is not None:
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index((it + NB - 1) % NB))
 
-                store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
-                                  po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
+                # STAGE_OUT: out through q's latent buffer, free since the last tile's barrier ("Staged stores")
+                store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr, po_ptr,
+                                  plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, q_lat_s, Q_L, STAGE_OUT)
 
     @gluon.jit
     def _w64_keys_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
@@ -412,7 +451,7 @@ if gluon is not None:
                             PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                             TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            PDL: gl.constexpr, KEYS: gl.constexpr):
+                            PDL: gl.constexpr, KEYS: gl.constexpr, STAGE_OUT: gl.constexpr):
         # BLOCK_M: a program's query rows, 64, or 32 with the keys-on-M consumer (KEYS); the launch's
         # warps: the consumer's, 8 (two warpgroups) or, keys-on-M, 4
         gl.static_assert(BLOCK_M == (32 if KEYS else 64))
@@ -451,7 +490,7 @@ if gluon is not None:
             gl.warp_specialize([
                 (_w64_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
                                  po_ptr, plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s,
-                                 k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB)),
+                                 k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB, STAGE_OUT)),
                 (_w64_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s,
                                  sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB, PDL)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -479,5 +518,7 @@ def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
         BLOCK_M=32 if keys else block_m, BLOCK_N=block_n, NB=W64_BUFS,
         PRODUCER_WARPS=W64_KEYS_PRODUCER_WARPS if one_wg else W64_PRODUCER_WARPS,
         PRODUCER_REGS=W64_KEYS_PRODUCER_REGS if one_wg else W64_PRODUCER_REGS, PDL=pdl, KEYS=keys,
+        # (q's latent buffer is what out goes through: of out's dtype)
+        STAGE_OUT=not keys and out.dtype == q.dtype and num_parts <= W64_STAGE_OUT_PARTS_PER_REQUEST * B,
         num_warps=W64_KEYS_WARPS if keys else 8, maxnreg=W64_KEYS_MAXNREG if one_wg else W64_MAXNREG,
         launch_pdl=pdl)

@@ -21,7 +21,9 @@ warp-specialised FP8 counterpart ``decode_wgmma_ws64``: the query rows on the wg
 scores ``S [64, keys]``, accumulator ``[64, 512]``) share q's copy, a tile's dots and
 online-softmax step along the key axis, and the stores (``copy_q_rows``, ``rows_tile_step``
 over ``softmax_rows_step``, ``store_rows_result``; the ping-pong ``decode_wgmma_pp`` the
-softmax step and the stores, its stores a 256-column half at a time). The three 64-row kernels
+softmax step and the stores, its stores a 256-column half at a time; the warp-specialised one
+stores an unsplit request's ``out`` through q's shared buffer in whole rows where its launch
+compiles that in, ``store_out_staged``). The three 64-row kernels
 find a tile's cache rows alike: its page read a tile or two ahead when a page holds whole tiles
 (``tile_page``, ``key_rows``), and start their programs alike (``program_rows``); the
 warp-specialised one's two consumers start a request alike (``start_request_rows``). Every kernel
@@ -45,7 +47,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 __all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "program_rows",
            "request_span", "tma_tile_walk", "tile_page", "key_rows", "q_rows_to_fp16", "copy_q_rope_now",
            "softmax_keys_step", "softmax_result", "store_keys_result", "store_keys_part", "store_keys_lse",
-           "copy_q_rows", "start_request_rows", "softmax_rows_step", "store_rows_result"]
+           "copy_q_rows", "start_request_rows", "store_out_staged", "softmax_rows_step", "store_rows_result"]
 
 if gluon is not None:
 
@@ -287,6 +289,23 @@ if gluon is not None:
             gl.store(po_ptr + p_row.to(gl.int64) * (ROWS * RANK) + at, a * inv_l[None, :], mask=ok_o)
 
     @gluon.jit
+    def store_out_staged(o, stage, row0, b64, out_ptr, ROWS, RANK: gl.constexpr, OUT_L: gl.constexpr):
+        """An unsplit request's ``out`` rows through shared memory: ``o`` (fp32 ``[R, C]``, the
+        result already divided by its row sums, in a wgmma accumulator's layout) is written into
+        ``stage`` (``[R, C]`` of ``out``'s dtype: in the 64-row FP8 kernel, q's latent buffer once no
+        dot reads it) and read back in ``OUT_L`` (16-byte vectors along rows), so that ``out``
+        (``[B, ROWS, RANK]`` from ``out_ptr``; the block's rows ``row0 + i`` of request ``b64``, its
+        first C columns) is written a warp at a time in whole rows of contiguous bytes, not in the
+        accumulator layout's 4-byte pieces of eight rows. The caller's warps are past a barrier
+        after their last read of ``stage``; its next writer waits for a barrier after this."""
+        stage.store(o.to(stage.dtype))
+        gl.thread_barrier()
+        m_o = row0 + gl.arange(0, stage.shape[0], layout=gl.SliceLayout(1, OUT_L))
+        c_o = gl.arange(0, stage.shape[1], layout=gl.SliceLayout(0, OUT_L))
+        gl.store(out_ptr + b64 * (ROWS * RANK) + m_o.to(gl.int64)[:, None] * RANK + c_o[None, :], stage.load(OUT_L),
+                 mask=(m_o < ROWS)[:, None] & (c_o[None, :] < RANK))
+
+    @gluon.jit
     def store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H):
         """A request's log2-sum-exp ``lse2`` (``[R]``, rows ``r``): natural log into ``lse``
         (``[B, h, s_q]``) when unsplit (``nsplit == 1``), else into its partial row ``p_row``
@@ -384,7 +403,8 @@ if gluon is not None:
     @gluon.jit
     def store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr, po_ptr, plse_ptr,
                           ROWS, SQ, H, BLOCK_M: gl.constexpr, RANK: gl.constexpr, ROW_S: gl.constexpr,
-                          ROW_A: gl.constexpr, COL_A: gl.constexpr):
+                          ROW_A: gl.constexpr, COL_A: gl.constexpr, stage=None, OUT_L: gl.constexpr = None,
+                          STAGED: gl.constexpr = False):
         """A request's result from a 64-row kernel's accumulator ``acc`` (fp32 ``[BLOCK_M, C]`` in a
         layout whose row / column slices are ``ROW_A`` / ``COL_A``; rows ``row0 + i`` = ``token * H
         + head``; its C columns the first C of the rows of ``RANK`` that ``out_ptr`` / ``po_ptr``
@@ -393,7 +413,10 @@ if gluon is not None:
         (``nsplit == 1``) stores ``out`` (its dtype, ``[B, s_q, h, RANK]``) and ``lse`` (natural
         log, ``[B, h, s_q]``); a split one its fp32 partial row ``p_row`` (``[cap, ROWS, RANK]``,
         log2 lse ``[cap, ROWS]``) while ``p_row < partial_cap``. A row without keys gets ``out`` 0
-        and ``lse`` -inf."""
+        and ``lse`` -inf.
+
+        ``STAGED``: ``out`` goes through ``stage``, a free shared buffer ``[BLOCK_M, C]`` of its
+        dtype, and is read back in ``OUT_L`` (``store_out_staged``)."""
         LN2: gl.constexpr = 0.6931471805599453
         l_safe, lse2 = softmax_result(m_i, l_i)
         o = acc / gl.convert_layout(l_safe, ROW_A)[:, None]
@@ -404,7 +427,10 @@ if gluon is not None:
         ok_a = (m_a < ROWS)[:, None] & (c_a[None, :] < RANK)
         m_rows = m_a.to(gl.int64)[:, None] * RANK + c_a[None, :]
         if nsplit == 1:
-            gl.store(out_ptr + b64 * (ROWS * RANK) + m_rows, o.to(out_ptr.dtype.element_ty), mask=ok_a)
+            if STAGED:
+                store_out_staged(o, stage, row0, b64, out_ptr, ROWS, RANK, OUT_L)
+            else:
+                gl.store(out_ptr + b64 * (ROWS * RANK) + m_rows, o.to(out_ptr.dtype.element_ty), mask=ok_a)
             gl.store(lse_ptr + b64 * ROWS + (m_s % H) * SQ + m_s // H, lse2 * LN2, mask=row_ok)
         elif p_row < partial_cap:
             p64 = p_row.to(gl.int64)

@@ -495,11 +495,32 @@ def test_few_row_kernels_in_several_row_blocks_match_reference_gpu(kv, heads, s_
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
+class _KernelSpy:
+    """Stands in for the ws64 Gluon kernel object: records the ``KEYS`` and ``STAGE_OUT``
+    arguments, the warps and the producer's warps of each launch, then launches the real
+    kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.keys, self.stage, self.warps, self.producer = kernel, [], [], [], []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.keys.append(kw["KEYS"])
+            self.stage.append(kw["STAGE_OUT"])
+            self.warps.append(kw["num_warps"])
+            self.producer.append(kw["PRODUCER_WARPS"])
+            return launch(*args, **kw)
+        return run
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,s_q,page", [(128, 1, 64), (128, 1, 16), (128, 2, 128), (64, 1, 32), (20, 4, 64)])
 @pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
 @pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
-def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts, monkeypatch):
+@pytest.mark.parametrize("staged", [False, True], ids=["direct-out", "staged-out"])
+def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts, staged, monkeypatch):
     """The warp-specialised 64-row FP8 kernel (kernels/decode_wgmma_ws64.py: a producer
     partition copying each 64-key tile into a free buffer and dequantising it there, in place,
     a scale group at a time; two consumer warpgroups' dots) against mla_ref at DeepSeek size:
@@ -508,7 +529,14 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     to 32 rows: the next test). Lengths around the tiles and pages, a 9000-key request split
     over many parts, empty requests (both partitions must skip them alike), NaN in every stale
     slot and padding query token; ``big_q`` and ``parts`` as in the keys-on-M test (3 parts:
-    the buffers' phases wrap many times, the producer crosses requests)."""
+    the buffers' phases wrap many times, the producer crosses requests). ``staged``: unsplit
+    requests' ``out`` goes through q's shared buffer (``W64_STAGE_OUT_PARTS_PER_REQUEST``, forced
+    here; by default only launches of few parts a request), or straight from the accumulator;
+    the launch says which."""
+    import kernels.decode_wgmma_ws64 as dws64
+    monkeypatch.setattr(dws64, "W64_STAGE_OUT_PARTS_PER_REQUEST", 10**6 if staged else 0)
+    spy = _KernelSpy(dws64._decode_ws64_kernel)
+    monkeypatch.setattr(dws64, "_decode_ws64_kernel", spy)
     calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=64, block_n=64, num_warps=8,
@@ -516,25 +544,8 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     hopper = torch.cuda.get_device_capability()[0] == 9
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 41)
     assert len(calls) == (1 if hopper else 0)
+    assert spy.stage == ([staged] if hopper else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
-
-
-class _KernelSpy:
-    """Stands in for a Gluon kernel object: records the ``KEYS`` argument, the warps and the
-    producer's warps of each launch, then launches the real kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.keys, self.warps, self.producer = kernel, [], [], []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kw):
-            self.keys.append(kw["KEYS"])
-            self.warps.append(kw["num_warps"])
-            self.producer.append(kw["PRODUCER_WARPS"])
-            return launch(*args, **kw)
-        return run
 
 
 @pytest.mark.gpu
