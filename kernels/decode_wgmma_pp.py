@@ -74,6 +74,20 @@ after issuing a QK, or the tile after next as one 72 KiB request) left the outpu
 and ran 0.79-0.98x (``h100-2026-11-27-pp-l2-prefetch.json``): the prefetches add to the same
 bursts.
 
+Staged stores (as ``decode_wgmma_ws64``'s, whose module doc says why): a warpgroup stores an
+unsplit request's 256 columns of ``out`` through the latent half of its own buffer that only its
+own dots read (A: buffer 0's columns 0-255, ``k_s[0]``; B: buffer 1's 256-511, ``k_s[3]``) --
+both are done with every dot of the request once the row sums are exchanged, and neither copies
+into the other's buffer -- then reads them back in 16-byte vectors along whole rows
+(``gluon_parts.store_out_staged``), with a barrier before its next copy into that buffer. Launches
+compile it in when their parts can hold whole requests (``num_parts <= 2 B``,
+``PP_STAGE_OUT_PARTS_PER_REQUEST``; at h=128 the configs' 66 / 33 parts at s_q 1 / 2). In one
+process on an H100 (``h100-2026-11-27-pp-staged-out.json``, bf16 h=128, bit for bit the same):
+B=128 L=1k 1.06x at s_q=1 (119.7 -> 112.5 us) and 1.04x at s_q=2, B=32 L=1k s_q=2 1.09x (68.1 ->
+62.7), 0.99x at s_q=2 B=32 L 4k-16k (requests mostly split, the staged path compiled in), level
+elsewhere. A mutant with B staging in A's buffer fails 24 of the 24 staged cases of
+``test_decode_wgmma_pp_matches_reference_gpu`` (``-pp-staged-out-mutants.json``).
+
 Taken by ``decode_split.launch_decode_split`` for the 16-bit 64-row launches that
 ``decode_wgmma.wgmma_plan`` admits and ``decode_wgmma.pp_taken`` gives it (two or more row
 blocks, at least 16 (request, row block) pairs, the ``WGMMA_PP`` switch on); a build failure
@@ -94,10 +108,13 @@ from .gluon_parts import (key_rows, program_rows, request_span, row_copy_layout,
                           tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
-__all__ = ["launch_decode_wgmma_pp", "PP_ODD_REGS"]
+__all__ = ["launch_decode_wgmma_pp", "PP_ODD_REGS", "PP_STAGE_OUT_PARTS_PER_REQUEST"]
 
 #: registers a thread of warpgroup B (the worker partition) gets; A gets the rest
 PP_ODD_REGS = 240
+#: unsplit requests' ``out`` goes through each warpgroup's own buffer in whole rows (module doc,
+#: "Staged stores") in launches of at most this many parts a request of the padded batch; 0: never
+PP_STAGE_OUT_PARTS_PER_REQUEST = 2
 
 if gluon is not None:
     # The layouts of both partitions (one warpgroup each), for rank 512, 64-key tiles, 64 rows:
@@ -189,10 +206,14 @@ if gluon is not None:
     @gluon.jit
     def _pp_finish(acc, m_i, l_i, lx_s, lready, me: gl.constexpr, nreq, col0, row0, b64, nsplit, p_row,
                    partial_cap, out_ptr, lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M: gl.constexpr,
-                   RANK: gl.constexpr, ROW_S: gl.constexpr, ROW_A: gl.constexpr, COL_A: gl.constexpr):
+                   RANK: gl.constexpr, ROW_S: gl.constexpr, ROW_A: gl.constexpr, COL_A: gl.constexpr, stage,
+                   STAGED: gl.constexpr):
         # A request's end in one warpgroup: hand its row sums over (double-buffered by request
         # parity, so a warpgroup a request ahead never overwrites sums not yet read), add the
-        # other's, store its 256 columns (both store the same lse)
+        # other's, store its 256 columns (both store the same lse). STAGED: an unsplit request's
+        # out goes through ``stage``, the latent half of its own buffer that only its own dots
+        # read (A: buffer 0's columns 0-255, B: buffer 1's 256-511), all done by now; its next
+        # copy into that buffer waits for the barrier after ("Staged stores")
         slot = 2 * (nreq % 2)
         lx_s.index(slot + me).store(l_i)
         gl.thread_barrier()
@@ -200,13 +221,16 @@ if gluon is not None:
         mbarrier.wait(lready.index(1 - me), nreq & 1)
         l_tot = l_i + lx_s.index(slot + 1 - me).load(ROW_S)
         store_rows_result(acc, m_i, l_tot, row0, b64, nsplit, p_row, partial_cap, out_ptr + col0, lse_ptr,
-                          po_ptr + col0, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A)
+                          po_ptr + col0, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, stage, _HALF_L,
+                          STAGED)
+        if STAGED:
+            gl.thread_barrier()
 
     @gluon.jit
     def _pp_even(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
                  po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s,
                  pready, free, qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGE_OUT: gl.constexpr):
         D: gl.constexpr = RANK + kr_s.shape[2]
         ROWS = SQ * H
         b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = program_rows(
@@ -277,14 +301,15 @@ if gluon is not None:
                     gl.thread_barrier()
                     mbarrier.arrive(free.index(1))
                 _pp_finish(acc, m_i, l_i, lx_s, lready, 0, nreq, 0, row0, b64, nsplit, p_row, partial_cap, out_ptr,
-                           lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, _ROW_S, _ROW_A, _COL_A)
+                           lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, _ROW_S, _ROW_A, _COL_A, k_s.index(0),
+                           STAGE_OUT)
                 nreq += 1
 
     @gluon.jit
     def _pp_odd(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
                 po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s, kr_s, mx_s, lx_s,
                 pready, free, qready, lready, PAGE: gl.constexpr, RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PDL: gl.constexpr):
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGE_OUT: gl.constexpr, PDL: gl.constexpr):
         wait_prior_grid(PDL)  # this partition's warps too (kernels/pdl.py)
         HALF: gl.constexpr = RANK // 2
         ROWS = SQ * H
@@ -357,14 +382,15 @@ if gluon is not None:
                         acc = warpgroup_mma_init(acc)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 _pp_finish(acc, m_i, l_i, lx_s, lready, 1, nreq, HALF, row0, b64, nsplit, p_row, partial_cap,
-                           out_ptr, lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, _ROW_S, _ROW_A, _COL_A)
+                           out_ptr, lse_ptr, po_ptr, plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, _ROW_S, _ROW_A, _COL_A,
+                           k_s.index(3), STAGE_OUT)
                 nreq += 1
 
     @gluon.jit
     def _decode_pp_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
                           lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,
                           RANK: gl.constexpr, ROPE: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, ODD_REGS: gl.constexpr, PDL: gl.constexpr):
+                          BLOCK_N: gl.constexpr, ODD_REGS: gl.constexpr, STAGE_OUT: gl.constexpr, PDL: gl.constexpr):
         gl.static_assert(BLOCK_M == 64)
         gl.static_assert(BLOCK_N == 64)
         gl.static_assert(ROPE == 64)
@@ -398,11 +424,12 @@ if gluon is not None:
         gl.warp_specialize([
             (_pp_even, (q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
                         lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s,
-                        kr_s, mx_s, lx_s, pready, free, qready, lready, PAGE, RANK, TOKEN_STRIDE, BLOCK_M, BLOCK_N)),
+                        kr_s, mx_s, lx_s, pready, free, qready, lready, PAGE, RANK, TOKEN_STRIDE, BLOCK_M, BLOCK_N,
+                        STAGE_OUT)),
             (_pp_odd, (q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
                        lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, k_s,
                        kr_s, mx_s, lx_s, pready, free, qready, lready, PAGE, RANK, TOKEN_STRIDE, BLOCK_M, BLOCK_N,
-                       PDL)),
+                       STAGE_OUT, PDL)),
         ], [4], [ODD_REGS])
 
 
@@ -421,4 +448,6 @@ def launch_decode_wgmma_pp(q, kv_cache, block_table, cache_seqlens, ctx_lens, ct
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
         out, lse, partial_o, partial_lse, block_table.shape[1], partial_o.shape[0], softmax_scale_log2, s_q, h,
         PAGE=kv_cache.shape[1], RANK=rank, ROPE=rope_dim, TOKEN_STRIDE=kv_cache.shape[-1], BLOCK_M=block_m,
-        BLOCK_N=block_n, ODD_REGS=PP_ODD_REGS, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        BLOCK_N=block_n, ODD_REGS=PP_ODD_REGS,
+        STAGE_OUT=out.dtype == q.dtype and num_parts <= PP_STAGE_OUT_PARTS_PER_REQUEST * B, PDL=pdl, num_warps=4,
+        launch_pdl=pdl)

@@ -588,8 +588,9 @@ def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, consumer
                                                (72, 1, 32, "fp16"), (20, 4, 64, "bf16"), (128, 2, 32, "bf16")])
 @pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
 @pytest.mark.parametrize("parts", [None, 3], ids=["default-parts", "3-parts"])
-@pytest.mark.parametrize("pp", [True, False], ids=["ping-pong", "64-row"])
-def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, parts, pp, monkeypatch):
+@pytest.mark.parametrize("pp,staged", [(True, False), (True, True), (False, False)],
+                         ids=["ping-pong", "ping-pong-staged-out", "64-row"])
+def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, parts, pp, staged, monkeypatch):
     """The ping-pong 64-row kernel (kernels/decode_wgmma_pp.py: warpgroup A on a request's even
     tiles, B on its odd ones, handing P, the running max and the row sums over) and, by its
     switch, the 64-row kernel it replaces, against mla_ref at DeepSeek size with bf16 and fp16
@@ -602,8 +603,23 @@ def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, part
     (both partitions must skip them alike), NaN in every stale slot and padding query token;
     ``big_q``: q times 2**2 and the softmax scale times 2**-2 (larger logits: more rescaling;
     bf16 / fp16 q leave no room for the few-row kernels' 2**17); ``parts``: the default plan,
-    or 3 parts of many tiles and requests each (the hand-overs' phases wrap many times)."""
+    or 3 parts of many tiles and requests each (the hand-overs' phases wrap many times);
+    ``staged``: unsplit requests' ``out`` through each warpgroup's own buffer
+    (``PP_STAGE_OUT_PARTS_PER_REQUEST``, forced here; by default only launches of few parts a
+    request) or straight from the accumulator, the launch's choice asserted."""
+    import kernels.decode_wgmma_pp as dpp
     monkeypatch.setattr(dw, "WGMMA_PP", pp)
+    monkeypatch.setattr(dpp, "PP_STAGE_OUT_PARTS_PER_REQUEST", 10**6 if staged else 0)
+    stage_args = []
+    real_kernel = dpp._decode_pp_kernel
+
+    class _Spy:  # records the launch's STAGE_OUT, then launches the real kernel
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                stage_args.append(kw["STAGE_OUT"])
+                return real_kernel[grid](*args, **kw)
+            return run
+    monkeypatch.setattr(dpp, "_decode_pp_kernel", _Spy())
     calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_pp")
     plain = _spy_wgmma(monkeypatch)
     spec = ModelSpec(num_heads=heads)
@@ -621,6 +637,7 @@ def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, part
                         what=f"h={heads} s_q={s_q} page={page} {kv} big={big_q} parts={parts}")
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert (len(calls), len(plain)) == (((1, 0) if pp else (0, 1)) if hopper else (0, 0))
+    assert stage_args == ([staged] if hopper and pp else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
