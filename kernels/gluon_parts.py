@@ -21,9 +21,9 @@ warp-specialised FP8 counterpart ``decode_wgmma_ws64``: the query rows on the wg
 scores ``S [64, keys]``, accumulator ``[64, 512]``) share q's copy, a tile's dots and
 online-softmax step along the key axis, and the stores (``copy_q_rows``, ``rows_tile_step``
 over ``softmax_rows_step``, ``store_rows_result``; the ping-pong ``decode_wgmma_pp`` the
-softmax step and the stores, its stores a 256-column half at a time; the warp-specialised one
-stores an unsplit request's ``out`` through q's shared buffer in whole rows where its launch
-compiles that in, ``store_out_staged``). The three 64-row kernels
+softmax step and the stores, its stores a 256-column half at a time; the warp-specialised and
+ping-pong ones store an unsplit request's ``out`` through a free shared buffer in whole rows where
+their launch compiles that in, ``store_out_staged``). The three 64-row kernels
 find a tile's cache rows alike: its page read a tile or two ahead when a page holds whole tiles
 (``tile_page``, ``key_rows``), and start their programs alike (``program_rows``); the
 warp-specialised one's two consumers start a request alike (``start_request_rows``). Every kernel
@@ -292,8 +292,8 @@ if gluon is not None:
     def store_out_staged(o, stage, row0, b64, out_ptr, ROWS, RANK: gl.constexpr, OUT_L: gl.constexpr):
         """An unsplit request's ``out`` rows through shared memory: ``o`` (fp32 ``[R, C]``, the
         result already divided by its row sums, in a wgmma accumulator's layout) is written into
-        ``stage`` (``[R, C]`` of ``out``'s dtype: in the 64-row FP8 kernel, q's latent buffer once no
-        dot reads it) and read back in ``OUT_L`` (16-byte vectors along rows), so that ``out``
+        ``stage`` (``[R, C]`` of ``out``'s dtype: q's latent buffer once no dot reads it in the 64-row
+        FP8 kernel, a latent half of a warpgroup's own tile buffer in the ping-pong one) and read back in ``OUT_L`` (16-byte vectors along rows), so that ``out``
         (``[B, ROWS, RANK]`` from ``out_ptr``; the block's rows ``row0 + i`` of request ``b64``, its
         first C columns) is written a warp at a time in whole rows of contiguous bytes, not in the
         accumulator layout's 4-byte pieces of eight rows. The caller's warps are past a barrier
