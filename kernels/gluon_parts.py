@@ -292,11 +292,12 @@ if gluon is not None:
     def store_out_staged(o, stage, row0, b64, out_ptr, ROWS, RANK: gl.constexpr, OUT_L: gl.constexpr):
         """An unsplit request's ``out`` rows through shared memory: ``o`` (fp32 ``[R, C]``, the
         result already divided by its row sums, in a wgmma accumulator's layout) is written into
-        ``stage`` (``[R, C]`` of ``out``'s dtype: q's latent buffer once no dot reads it in the 64-row
-        FP8 kernel, a latent half of a warpgroup's own tile buffer in the ping-pong one) and read back in ``OUT_L`` (16-byte vectors along rows), so that ``out``
-        (``[B, ROWS, RANK]`` from ``out_ptr``; the block's rows ``row0 + i`` of request ``b64``, its
-        first C columns) is written a warp at a time in whole rows of contiguous bytes, not in the
-        accumulator layout's 4-byte pieces of eight rows. The caller's warps are past a barrier
+        ``stage`` (``[R, C]`` of ``out``'s dtype: q's latent buffer once no dot reads it in the
+        64-row FP8 kernel, a latent half of a warpgroup's own tile buffer in the ping-pong one) and
+        read back in ``OUT_L`` (16-byte vectors along rows), so that ``out`` (``[B, ROWS, RANK]``
+        from ``out_ptr``; the block's rows ``row0 + i`` of request ``b64``, its first C columns) is
+        written a warp at a time in whole rows of contiguous bytes, not in the accumulator
+        layout's 4-byte pieces of eight rows. The caller's warps are past a barrier
         after their last read of ``stage``; its next writer waits for a barrier after this."""
         stage.store(o.to(stage.dtype))
         gl.thread_barrier()
