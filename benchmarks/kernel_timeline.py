@@ -126,7 +126,8 @@ _EDITS = {
         ("before", "store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,",
          _timer(5), 1),
         # (the call's second line: the statement's indentation is the first line's)
-        ("after", "plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, q_lat_s, Q_L, STAGE_OUT)", _timer(6), 1, 16),
+        ("after", "plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, q_lat_s, Q_L, STAGE_OUT)", _timer(6), 1,
+         16),
     ],
 }
 
