@@ -114,3 +114,21 @@ def assert_decode_close(out, lse, ref_out, ref_lse, *, tol, what: str = "") -> N
     assert lerr.numel() == 0 or lerr.max() <= lse_tol, f"{what}: lse error {lerr.max():.3g} > {lse_tol}"
     zero_rows = empty.permute(0, 2, 1)  # [B, s_q, h]
     assert (out[zero_rows] == 0).all(), f"{what}: rows without keys must be exactly 0"
+
+
+def spy_launches(monkeypatch, module, name: str, *keys: str) -> list:
+    """Replace the kernel object ``module.<name>`` (launched as ``kernel[grid](*args, **kw)``)
+    by one that records ``tuple(kw[k] for k in keys)`` of each launch, then launches the real
+    kernel. Returns the list the records go to (one tuple a launch, in launch order)."""
+    seen = []
+    real = getattr(module, name)
+
+    class _Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(tuple(kw[k] for k in keys))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(module, name, _Spy())
+    return seen

@@ -11,7 +11,7 @@ from mla_ref import ModelSpec
 
 import kernels
 from kernels import DecodeConfig, SchedState, default_config
-from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
+from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case, spy_launches
 
 # small launch configs that force splits (few parts, 1 tile each minimum) or none
 # (and the FP8 load variants: register prefetch, plain loads, twin loads with num_stages >= 2)
@@ -441,17 +441,7 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     tiny = ModelSpec.tiny(num_heads=8)
     assert not default_config(tiny, 2, torch.device("cpu"), fp8=True).fp8_grouped
     assert default_config(tiny, 4, torch.device("cpu"), fp8=True).fp8_grouped
-    seen = []
-    real = ds._decode_split_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["GROUPED"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(ds, "_decode_split_kernel", Spy())
+    seen = spy_launches(monkeypatch, ds, "_decode_split_kernel", "GROUPED")
     spec = ModelSpec.tiny(num_heads=4)
     case = make_case(spec, seq_lens=[33, 7], q_lens=[2, 1], s_q=2, page_size=4, kv_dtype="fp8", seed=11)
     for grouped in (False, True):
@@ -462,7 +452,7 @@ def test_fp8_path_choice_follows_config(monkeypatch):
         ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                  q_lens=case.q_lens)
         assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what=f"fp8_grouped={grouped}")
-    assert seen == [False, True]
+    assert seen == [(False, ), (True, )]
 
 
 def test_cuda_defaults_split_h16_x2_rows_in_two_blocks_at_small_batches(monkeypatch):
@@ -713,18 +703,7 @@ def _spy_kwargs(monkeypatch, ds, *names):
     (kernels/decode_wgmma.py, which would take 64-row blocks of 64 keys) is switched off."""
     import kernels.decode_wgmma as dw
     monkeypatch.setattr(dw, "WGMMA_DECODE", False)
-    seen = []
-    real = ds._decode_split_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(tuple(kw[n] for n in names))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(ds, "_decode_split_kernel", Spy())
-    return seen
+    return spy_launches(monkeypatch, ds, "_decode_split_kernel", *names)
 
 
 # per-row changes of real query rows (what, factor, lse compared relatively): latent maxima

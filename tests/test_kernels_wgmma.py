@@ -20,7 +20,7 @@ import kernels
 import kernels.decode_split as ds
 import kernels.decode_wgmma as dw
 from kernels import default_config
-from kernels_cases import TOL_GPU, assert_decode_close, make_case
+from kernels_cases import TOL_GPU, assert_decode_close, make_case, spy_launches
 
 _KW = dict(rank=512, rope_dim=64, block_m=64, block_n=64, num_warps=8)
 
@@ -495,26 +495,6 @@ def test_few_row_kernels_in_several_row_blocks_match_reference_gpu(kv, heads, s_
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
-class _KernelSpy:
-    """Stands in for the ws64 Gluon kernel object: records the ``KEYS`` and ``STAGE_OUT``
-    arguments, the warps and the producer's warps of each launch, then launches the real
-    kernel."""
-
-    def __init__(self, kernel):
-        self.kernel, self.keys, self.stage, self.warps, self.producer = kernel, [], [], [], []
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kw):
-            self.keys.append(kw["KEYS"])
-            self.stage.append(kw["STAGE_OUT"])
-            self.warps.append(kw["num_warps"])
-            self.producer.append(kw["PRODUCER_WARPS"])
-            return launch(*args, **kw)
-        return run
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads,s_q,page", [(128, 1, 64), (128, 1, 16), (128, 2, 128), (64, 1, 32), (20, 4, 64)])
 @pytest.mark.parametrize("big_q", [False, True], ids=["q", "big-q"])
@@ -535,8 +515,7 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     the launch says which."""
     import kernels.decode_wgmma_ws64 as dws64
     monkeypatch.setattr(dws64, "W64_STAGE_OUT_PARTS_PER_REQUEST", 10**6 if staged else 0)
-    spy = _KernelSpy(dws64._decode_ws64_kernel)
-    monkeypatch.setattr(dws64, "_decode_ws64_kernel", spy)
+    launches = spy_launches(monkeypatch, dws64, "_decode_ws64_kernel", "STAGE_OUT")
     calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=64, block_n=64, num_warps=8,
@@ -544,7 +523,7 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     hopper = torch.cuda.get_device_capability()[0] == 9
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 41)
     assert len(calls) == (1 if hopper else 0)
-    assert spy.stage == ([staged] if hopper else [])
+    assert launches == ([(staged, )] if hopper else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
@@ -570,16 +549,15 @@ def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, consumer
         assert dws64.W64_KEYS_WARPS == 4  # the shipped consumer
     monkeypatch.setattr(dws64, "W64_KEYS_ROWS", 32 if keys else 0)
     monkeypatch.setattr(dws64, "W64_KEYS_WARPS", 8 if consumer == "keys-2wg" else 4)
-    spy = _KernelSpy(dws64._decode_ws64_kernel)
-    monkeypatch.setattr(dws64, "_decode_ws64_kernel", spy)
+    launches = spy_launches(monkeypatch, dws64, "_decode_ws64_kernel", "KEYS", "num_warps", "PRODUCER_WARPS")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=64, block_n=64, num_warps=8,
                                                                           fp8_grouped=False)
     hopper = torch.cuda.get_device_capability()[0] == 9
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 43)
-    assert spy.keys == ([keys] if hopper else [])
-    assert spy.warps == ([{"keys-1wg": 4, "keys-2wg": 8, "64-row": 8}[consumer]] if hopper else [])
-    assert spy.producer == ([{"keys-1wg": 8, "keys-2wg": 4, "64-row": 4}[consumer]] if hopper else [])
+    warps = {"keys-1wg": 4, "keys-2wg": 8, "64-row": 8}[consumer]
+    producer = {"keys-1wg": 8, "keys-2wg": 4, "64-row": 4}[consumer]
+    assert launches == ([(keys, warps, producer)] if hopper else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
@@ -610,16 +588,7 @@ def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, part
     import kernels.decode_wgmma_pp as dpp
     monkeypatch.setattr(dw, "WGMMA_PP", pp)
     monkeypatch.setattr(dpp, "PP_STAGE_OUT_PARTS_PER_REQUEST", 10**6 if staged else 0)
-    stage_args = []
-    real_kernel = dpp._decode_pp_kernel
-
-    class _Spy:  # records the launch's STAGE_OUT, then launches the real kernel
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                stage_args.append(kw["STAGE_OUT"])
-                return real_kernel[grid](*args, **kw)
-            return run
-    monkeypatch.setattr(dpp, "_decode_pp_kernel", _Spy())
+    launches = spy_launches(monkeypatch, dpp, "_decode_pp_kernel", "STAGE_OUT")
     calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_pp")
     plain = _spy_wgmma(monkeypatch)
     spec = ModelSpec(num_heads=heads)
@@ -637,7 +606,7 @@ def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, part
                         what=f"h={heads} s_q={s_q} page={page} {kv} big={big_q} parts={parts}")
     hopper = torch.cuda.get_device_capability()[0] == 9
     assert (len(calls), len(plain)) == (((1, 0) if pp else (0, 1)) if hopper else (0, 0))
-    assert stage_args == ([staged] if hopper and pp else [])
+    assert launches == ([(staged, )] if hopper and pp else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
