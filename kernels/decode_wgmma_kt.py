@@ -62,9 +62,9 @@ try:
 except Exception:  # pragma: no cover - a Gluon without host-side TMA descriptors
     TensorDescriptor = None
 
-from .gluon_parts import (part_bounds, request_span, row_copy_layout, softmax_keys_step, softmax_result,
-                          start_request_rows, store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid,
-                          wgmma_layout)
+from .gluon_parts import (part_bounds, request_span, ring_barriers, row_copy_layout, softmax_keys_step,
+                          softmax_result, start_request_rows, store_keys_lse, store_keys_part, tma_tile_walk,
+                          wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_kt", "kt_descriptor", "kt_descriptors_available", "KT_STAGES", "KT_CHUNK"]
@@ -231,11 +231,7 @@ if gluon is not None:
         q_lat_s = gl.allocate_shared_memory(KT, [BLOCK_R, RANK], QLAT_SH)
         q_rope_s = gl.allocate_shared_memory(KT, [BLOCK_R, ROPE], QROPE_SH)
         p_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NS):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = ring_barriers(NS)
         gl.warp_specialize([
             (_kt_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
                             plse_ptr, partial_cap, qk_scale, SQ, H, k_s, q_lat_s, q_rope_s, p_s, ready, empty, RANK,

@@ -108,9 +108,9 @@ try:
 except Exception:  # pragma: no cover - a Gluon without host-side TMA descriptors: decode_wgmma_ws
     TensorDescriptor = None
 
-from .gluon_parts import (copy_q_rope_now, part_bounds, request_span, row_copy_layout, softmax_keys_step,
-                          softmax_result, store_keys_lse, store_keys_part, tma_tile_walk, wait_prior_grid,
-                          wgmma_layout)
+from .gluon_parts import (copy_q_rope_now, part_bounds, request_span, ring_barriers, row_copy_layout,
+                          softmax_keys_step, softmax_result, store_keys_lse, store_keys_part, tma_tile_walk,
+                          wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_rs", "rs_descriptors", "rs_descriptors_available", "RS_STAGES"]
@@ -423,12 +423,8 @@ if gluon is not None:
         q_rope_s = gl.allocate_shared_memory(QT, [BLOCK_R, ROPE], QROPE_SH)
         p_s = gl.allocate_shared_memory(KT, [NG, BLOCK_N, BLOCK_R], P_SH)
         sx_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_N, BLOCK_R], SX_SH)
-        ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        ready, empty = ring_barriers(NS, 2)  # a stage is freed by both consumer warpgroups
         xready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NS):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
         for i in gl.static_range(4):
             mbarrier.init(xready.index(i), count=1)
         gl.warp_specialize([

@@ -82,8 +82,9 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (copy_q_rope_now, part_bounds, q_rows_to_fp16, request_span, row_copy_layout,
-                          softmax_keys_step, softmax_result, store_keys_result, wait_prior_grid, wgmma_layout)
+from .gluon_parts import (copy_q_rope_now, part_bounds, q_rows_to_fp16, request_span, ring_barriers,
+                          row_copy_layout, softmax_keys_step, softmax_result, store_keys_result, wait_prior_grid,
+                          wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
@@ -327,11 +328,7 @@ if gluon is not None:
         p1_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
         p2_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
         p3_s = gl.allocate_shared_memory(KT, [BLOCK_N, BLOCK_R], P_SH)
-        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NB):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = ring_barriers(NB)
         gl.warp_specialize([
             (_ws_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
                             plse_ptr, partial_cap, qk_scale, SQ, H, k0_s, k1_s, k2_s, k3_s, rope_s, sc0_s, sc1_s,

@@ -179,9 +179,9 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernel only
     gluon = None
 
-from .gluon_parts import (key_rows, part_bounds, program_rows, request_span, row_copy_layout, rows_tile_step,
-                          softmax_keys_step, softmax_result, start_request_rows, store_keys_lse, store_keys_part,
-                          store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
+from .gluon_parts import (key_rows, part_bounds, program_rows, request_span, ring_barriers, row_copy_layout,
+                          rows_tile_step, softmax_keys_step, softmax_result, start_request_rows, store_keys_lse,
+                          store_keys_part, store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS", "W64_KEYS_ROWS",
@@ -473,11 +473,7 @@ if gluon is not None:
         k_lat_s = gl.allocate_shared_memory(DT, [NB, BLOCK_N, RANK], LAT_SH)
         k_rope_s = gl.allocate_shared_memory(DT, [NB, BLOCK_N, ROPE], ROPE_SH)
         sc_s = gl.allocate_shared_memory(gl.float32, [NB, BLOCK_N, RANK // GROUP], PLAIN_SH)
-        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NB):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = ring_barriers(NB)
         if KEYS:
             gl.warp_specialize([
                 (_w64_keys_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,

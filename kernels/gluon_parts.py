@@ -44,10 +44,11 @@ try:
 except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kernels only
     gluon = None
 
-__all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "rows_tile_step", "part_bounds", "program_rows",
-           "request_span", "tma_tile_walk", "tile_page", "key_rows", "q_rows_to_fp16", "copy_q_rope_now",
-           "softmax_keys_step", "softmax_result", "store_keys_result", "store_keys_part", "store_keys_lse",
-           "copy_q_rows", "start_request_rows", "store_out_staged", "softmax_rows_step", "store_rows_result"]
+__all__ = ["row_copy_layout", "wgmma_layout", "wait_prior_grid", "ring_barriers", "rows_tile_step", "part_bounds",
+           "program_rows", "request_span", "tma_tile_walk", "tile_page", "key_rows", "q_rows_to_fp16",
+           "copy_q_rope_now", "softmax_keys_step", "softmax_result", "store_keys_result", "store_keys_part",
+           "store_keys_lse", "copy_q_rows", "start_request_rows", "store_out_staged", "softmax_rows_step",
+           "store_rows_result"]
 
 if gluon is not None:
 
@@ -73,6 +74,18 @@ if gluon is not None:
         if PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                       pack=1)
+
+    @gluon.jit
+    def ring_barriers(NB: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
+        """A producer / consumer ring's mbarriers: ``ready`` and ``empty``, ``[NB, 1]`` int64 each,
+        one a buffer, initialised (``ready`` completed by one arrival, ``empty`` by
+        ``EMPTY_ARRIVALS``: one per consumer warpgroup that frees a buffer)."""
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NB):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=EMPTY_ARRIVALS)
+        return ready, empty
 
     @gluon.jit
     def part_bounds(part_ptr, pid_p):
