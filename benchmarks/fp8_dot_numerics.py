@@ -2,10 +2,10 @@
 
 The FP8 decode kernels convert every cached e4m3 code to a 16-bit value in shared memory
 before their dots (``kernels/decode_wgmma_ws.py``, ``decode_wgmma_ws64.py``); that
-conversion and its shared-memory traffic are what bound their tiles (README, "Where a small
-launch's time goes"). Hopper's e4m3 dots would read the codes as they are, but both operands
-must then be e4m3: q (bf16) and the probabilities P (fp32) would have to be rounded to 4
-significant bits. This script measures what splitting each of them into two e4m3 terms,
+conversion and its shared-memory traffic are what bound their tiles
+(``docs/kernel-performance.md``, "Where a small launch's time goes"). Hopper's e4m3 dots
+would read the codes as they are, but both operands must then be e4m3: q (bf16) and the
+probabilities P (fp32) would have to be rounded to 4 significant bits. This script measures what splitting each of them into two e4m3 terms,
 ``x = hi + lo`` with ``hi = e4m3(x)`` and ``lo = e4m3(x - hi)``, costs in accuracy, against
 the shipped kernels' numerics and an fp64 reference, for one request of ``h`` rows over ``L``
 keys in 64-key tiles (the kernels' online softmax, tile by tile):

@@ -281,6 +281,40 @@ def cfg_dict(c: DecodeConfig) -> dict:
                 num_parts=c.num_parts, min_tiles_per_part=c.min_tiles_per_part, fp8_prefetch=c.fp8_prefetch)
 
 
+def summarize(results: list) -> dict:
+    """The grid's headline figures (issue 3's targets and their context) from its case records
+    (``results`` of the json: dicts with ``kv``, ``h``, ``s_q``, ``B``, ``L``, ``time_us``,
+    ``bw_ratio``, ``flop_ratio``, ``x_roofline``, ``roofline_us``, ``time_us_do_bench`` and the read
+    references' fields). A headline over no case is None."""
+    def pick(f):
+        return [r for r in results if f(r)]
+
+    mem = pick(lambda r: r["h"] == 16 and r["B"] * r["L"] >= 128 * 1024)
+    comp = pick(lambda r: r["h"] == 128 and r["s_q"] == 2)
+    big = pick(lambda r: r["B"] >= 32)
+    return {
+        "mem_bound_h16_BL>=128k_min_bw_ratio": min((r["bw_ratio"] for r in mem), default=None),
+        # medians of an even count: the mean of the middle two (before 2026-11-26's kernel-17
+        # run, the upper one of them)
+        "mem_bound_h16_BL>=128k_median_bw_ratio": statistics.median(r["bw_ratio"] for r in mem) if mem else None,
+        "h128_sq2_max_flop_ratio": max((r["flop_ratio"] for r in comp), default=None),
+        "h128_sq2_median_flop_ratio": statistics.median(r["flop_ratio"] for r in comp) if comp else None,
+        "B>=32_worst_x_roofline": max((r["x_roofline"] for r in big), default=None),
+        # the same headlines on do_bench's times (its flush leaves dirty lines: module doc)
+        "do_bench_mem_bound_h16_BL>=128k_min_bw_ratio": min((r["bw_ratio"] * r["time_us"] / r["time_us_do_bench"] for r in mem),
+                                                             default=None),
+        "do_bench_B>=32_worst_x_roofline": max((r["time_us_do_bench"] / r["roofline_us"] for r in big), default=None),
+        # how close a plain torch read of the same bytes comes to the copy rate (the 75% target's context)
+        "mem_bound_h16_BL>=128k_min_read_ref_bw_ratio": min((r["read_ref_bw_ratio"] for r in mem), default=None),
+        "mem_bound_h16_BL>=128k_worst_x_read_ref": max((r["x_read_ref"] for r in mem), default=None),
+        # the same against the Triton read floor (replay_timing module doc)
+        "mem_bound_h16_BL>=128k_min_read_floor_bw_ratio": min((r["read_floor_bw_ratio"] for r in mem), default=None),
+        "mem_bound_h16_BL>=128k_worst_x_read_floor": max((r["x_read_floor"] for r in mem), default=None),
+        "B>=32_worst_read_floor_x_roofline": max((r["read_floor_us"] / r["roofline_us"] for r in big), default=None),
+        "cases": len(results),
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="JSON output path")
@@ -381,33 +415,7 @@ def main(argv=None) -> int:
                               f"read ({r['read_ref_us']:.1f} us), x{r['x_read_floor']:.2f} the read floor "
                               f"({floor_us:.1f} us); do_bench {r['time_us_do_bench']:.1f} us", flush=True)
 
-    def pick(f):
-        return [r for r in results if f(r)]
-
-    mem = pick(lambda r: r["h"] == 16 and r["B"] * r["L"] >= 128 * 1024)
-    comp = pick(lambda r: r["h"] == 128 and r["s_q"] == 2)
-    big = pick(lambda r: r["B"] >= 32)
-    summary = {
-        "mem_bound_h16_BL>=128k_min_bw_ratio": min((r["bw_ratio"] for r in mem), default=None),
-        # medians of an even count: the mean of the middle two (before 2026-11-26's kernel-17
-        # run, the upper one of them)
-        "mem_bound_h16_BL>=128k_median_bw_ratio": statistics.median(r["bw_ratio"] for r in mem) if mem else None,
-        "h128_sq2_max_flop_ratio": max((r["flop_ratio"] for r in comp), default=None),
-        "h128_sq2_median_flop_ratio": statistics.median(r["flop_ratio"] for r in comp) if comp else None,
-        "B>=32_worst_x_roofline": max((r["x_roofline"] for r in big), default=None),
-        # the same headlines on do_bench's times (its flush leaves dirty lines: module doc)
-        "do_bench_mem_bound_h16_BL>=128k_min_bw_ratio": min((r["bw_ratio"] * r["time_us"] / r["time_us_do_bench"] for r in mem),
-                                                             default=None),
-        "do_bench_B>=32_worst_x_roofline": max((r["time_us_do_bench"] / r["roofline_us"] for r in big), default=None),
-        # how close a plain torch read of the same bytes comes to the copy rate (the 75% target's context)
-        "mem_bound_h16_BL>=128k_min_read_ref_bw_ratio": min((r["read_ref_bw_ratio"] for r in mem), default=None),
-        "mem_bound_h16_BL>=128k_worst_x_read_ref": max((r["x_read_ref"] for r in mem), default=None),
-        # the same against the Triton read floor (replay_timing module doc)
-        "mem_bound_h16_BL>=128k_min_read_floor_bw_ratio": min((r["read_floor_bw_ratio"] for r in mem), default=None),
-        "mem_bound_h16_BL>=128k_worst_x_read_floor": max((r["x_read_floor"] for r in mem), default=None),
-        "B>=32_worst_read_floor_x_roofline": max((r["read_floor_us"] / r["roofline_us"] for r in big), default=None),
-        "cases": len(results),
-    }
+    summary = summarize(results)
     print("# summary " + json.dumps(summary), flush=True)
     doc = {
         "gpu": props.name, "sms": sms, "date": datetime.date.today().isoformat(),
