@@ -11,9 +11,9 @@ Four measurements, one json (``--out``):
    start (``T`` no more than a request's tiles): ``b`` is a tile's time in a part,
    ``a`` what the decode kernel costs beyond its tiles (the start of each program, its
    result's stores, the PDL wait).
-2. ``timeline`` (``kernel_timeline.py``): inside the pp (bf16 h=128) and ws64 (FP8 h=128)
-   kernels, when the plan becomes visible, q and the first tile land, each of the first 16
-   tiles reaches its QK, the loop ends and the result is stored, per program.
+2. ``timeline`` (``kernel_timeline.py``): inside the pp (bf16 h=128), ws64 (FP8 h=128) and rs
+   (FP8 h=16 s_q=1) kernels, when the plan becomes visible, q and the first tile land, each of
+   the first 16 tiles reaches its QK, the loop ends and the result is stored, per program.
 3. ``stores``: one program per SM storing a ``[64, 512]`` fp32 partial (what a split 64-row
    program writes) from the wgmma accumulator's layout (as ``gluon_parts.store_rows_result``),
    from a coalesced layout, and through shared memory into the coalesced one; beside them the
@@ -173,7 +173,7 @@ def run_scaling(pool, routes, batch, lengths, reps, fit_min, flush, gen) -> dict
 
 
 def run_timeline(pool, cases, reps, flush, gen) -> list:
-    """Part 2: for each ``(kv, h, s_q, B, L)`` (64-row launches), ``reps`` flushed replays of
+    """Part 2: for each ``(kv, h, s_q, B, L)`` (``kernel_timeline.kernel_for`` names its kernel), ``reps`` flushed replays of
     the instrumented kernel; the last one's ``kernel_timeline.summarize`` and every replay's
     latest result store (us after the first program's entry)."""
     import kernel_timeline as kt
@@ -193,11 +193,12 @@ def run_timeline(pool, cases, reps, flush, gen) -> list:
                 runs.append(ts.clone())
         finally:
             restore()
-        kernel = "ws64" if kv == "fp8" else "pp"
+        kernel = kt.kernel_for(kv, h, s_q)
         last = kt.summarize(runs[-1], kt.EVENTS[kernel])
-        stored = [kt.summarize(r, {6: "stored"}) for r in runs]
+        e = kt.STORED[kernel]
+        stored = [kt.summarize(r, {e: "stored"}) for r in runs]
         r = {"case": [kv, h, s_q, batch, length], "kernel": kernel, "last_replay": last,
-             "stored_max_each_replay": [s[next(k for k in s if k.startswith("6:"))][2] for s in stored]}
+             "stored_max_each_replay": [s[f"{e}: stored"][2] for s in stored]}
         out.append(r)
         print(json.dumps(r), flush=True)
         del g
@@ -347,7 +348,7 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated key lengths (multiples of 64)")
     p.add_argument("--routes", default=DEFAULT_ROUTES, help="kv,h,s_q;... (kv bf16 or fp8)")
     p.add_argument("--timeline", default=DEFAULT_TIMELINE, help="kv,h,s_q,B,L;... for the in-kernel timeline "
-                   "(h=128: the pp and ws64 kernels); empty to skip")
+                   "(h=128: the pp and ws64 kernels; FP8 h=16 s_q=1: rs); empty to skip")
     p.add_argument("--fit-min-tiles", type=int, default=4)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--no-stores", action="store_true")
@@ -369,10 +370,11 @@ def main(argv=None) -> int:
     routes = _parse_cases(a.routes, 3)
     timeline = _parse_cases(a.timeline, 5)
     bounds = _parse_cases(a.bounds, 5)
+    import kernel_timeline as kt
     for kv, h, s_q, _, _ in timeline:
-        if h * s_q <= 32:
-            raise SystemExit(f"timeline case {kv},{h},{s_q}: only the 64-row kernels (more than 32 query rows) "
-                             f"are instrumented")
+        if kt.kernel_for(kv, h, s_q) is None:
+            raise SystemExit(f"timeline case {kv},{h},{s_q}: no instrumented kernel runs it (the 64-row kernels, "
+                             f"more than 32 query rows; FP8 at up to 16 rows)")
     import kernel_bench as kb
     from replay_timing import L2Flush
     torch.manual_seed(0)  # q and the caches

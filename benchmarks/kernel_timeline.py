@@ -1,8 +1,9 @@
-"""In-kernel timelines of the 64-row Gluon decode kernels (GPU only to run; CPU to build).
+"""In-kernel timelines of Gluon decode kernels (GPU only to run; CPU to build).
 
 Where does a small launch's time go inside the decode kernel? CUPTI gives a kernel's start
 and end; this gives the moments between. ``instrument(name)`` builds a copy of one shipping
-kernel module (``kernels/decode_wgmma_pp.py`` or ``kernels/decode_wgmma_ws64.py``) with one
+kernel module (``kernels/decode_wgmma_pp.py`` or ``kernels/decode_wgmma_ws64.py``, the 64-row
+kernels; ``kernels/decode_wgmma_rs.py``, FP8 in 16- or 32-row blocks) with one
 extra pointer argument and a ``%globaltimer`` read stored at each of a few points (``EVENTS``:
 the plan's arrival, q and the first tiles landing, the loop's end, the result stored, and from
 slot 16 on when each of a request's first ``CADENCE`` tiles reaches its QK),
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-__all__ = ["EVENTS", "instrument", "install", "summarize"]
+__all__ = ["EVENTS", "STORED", "kernel_for", "instrument", "install", "summarize"]
 
 #: slots a program has in the buffer, and how many of a request's first tiles get a slot each
 #: (slots 16 on: the cadence of the loop)
@@ -49,10 +50,29 @@ EVENTS = {
              6: "consumer: result stored", 7: "producer: entry", 8: "producer: first tile converted",
              9: "producer: second tile converted",
              **{16 + k: f"consumer: tile {k} ready (first request)" for k in range(CADENCE)}},
+    "rs": {0: "entry", 1: "plan visible (after griddepcontrol.wait)", 2: "WG0: q stored (first request)",
+           3: "WG0: first tile ready", 4: "WG1: first tile ready", 5: "WG0: first tile's scores exchanged",
+           6: "WG0: loop end (last request)", 7: "producer: entry", 8: "WG0: result stored (last request)",
+           9: "WG1: result stored (last request)",
+           **{16 + k: f"WG0: the program's tile {k} ready" for k in range(CADENCE)}},
 }
 
-_MODULES = {"pp": "kernels.decode_wgmma_pp", "ws64": "kernels.decode_wgmma_ws64"}
-_LAUNCHERS = {"pp": "launch_decode_wgmma_pp", "ws64": "launch_decode_wgmma_ws64"}
+#: per kernel, the event that marks a program's (last) result stored
+STORED = {"pp": 6, "ws64": 6, "rs": 8}
+
+
+def kernel_for(kv: str, h: int, s_q: int):
+    """The instrumented kernel (a key of ``EVENTS``) that a Hopper launch of ``kv`` ('bf16' / 'fp8')
+    at ``h`` heads x ``s_q`` tokens runs at the default config, or None when none is: 64-row
+    launches (more than 32 query rows) run pp (16-bit) or ws64 (FP8), FP8 at up to 16 rows rs."""
+    rows = h * s_q
+    if rows > 32:
+        return "ws64" if kv == "fp8" else "pp"
+    return "rs" if kv == "fp8" and rows <= 16 else None
+
+
+_MODULES = {"pp": "kernels.decode_wgmma_pp", "ws64": "kernels.decode_wgmma_ws64", "rs": "kernels.decode_wgmma_rs"}
+_LAUNCHERS = {"pp": "launch_decode_wgmma_pp", "ws64": "launch_decode_wgmma_ws64", "rs": "launch_decode_wgmma_rs"}
 
 _HELPER = '''
 if gluon is not None:
@@ -129,6 +149,31 @@ _EDITS = {
         ("after", "plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, q_lat_s, Q_L, STAGE_OUT)", _timer(6), 1,
          16),
     ],
+    "rs": [
+        ("sub", "po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale,", "po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, "
+         "qk_scale,", 1),  # the kernel's signature
+        # the consumers' signature and their two argument tuples, then the producer's
+        ("sub", "plse_ptr, partial_cap, qk_scale, SQ, H, codes_s", "plse_ptr, ts_ptr, partial_cap, qk_scale, SQ, H, codes_s",
+         3),
+        ("sub", "off_ptr, bt_stride,\n                     codes_s,", "off_ptr, ts_ptr, bt_stride,\n                     codes_s,",
+         1),
+        ("sub", "off_ptr,\n                            bt_stride, codes_s,", "off_ptr,\n                            ts_ptr, "
+         "bt_stride, codes_s,", 1),
+        _LAUNCH_TS,
+        ("before", _KERNEL_WAIT, _timer(0), 1),
+        ("after", _KERNEL_WAIT, _timer(1), 1),
+        ("after", _WORKER_WAIT, _timer(7), 1),  # the producer's
+        ("after", "copy_q_rope_now(q_rope_s, q_row, r_rope, c_rope, ROWS, RANK)", _timer(2, "if it == 0:"), 1),
+        ("after", "mbarrier.wait(ready.index(s), (it // NS) & 1)",
+         ["if WG == 0:", "    if it == 0:", "        _ts(ts_ptr, 3)", "    if it < 16:", "        _ts(ts_ptr, 16 + it)",
+          "else:", "    if it == 0:", "        _ts(ts_ptr, 4)"], 1),
+        ("after", "other = sx_s.index(2 * x + 1 - WG).load(MMA_L)", _timer(5, "if WG == 0:", "    if it == 0:"), 1),
+        ("before", "l_safe, lse2 = softmax_result(m_i, gl.sum(l_p, axis=0))", _timer(6, "if WG == 0:"), 1),
+        # each group's store call's second line: WG 0's reading after its lse, WG 1's after its second group
+        ("after", "                                out_ptr, po_ptr, ROWS, RANK)", _timer(9, "if WG == 1:"), 2, 16),
+        ("after", "store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)",
+         _timer(8), 1),
+    ],
 }
 
 
@@ -188,7 +233,7 @@ def instrument(name: str):
 
 
 def install(ts: torch.Tensor):
-    """Route ``kernels.decode_split``'s pp and ws64 launches to the instrumented copies, storing
+    """Route ``kernels.decode_split``'s pp, ws64 and rs launches to the instrumented copies, storing
     into ``ts`` (int64 ``[programs, 32]``, zeroed by the caller before each launch to be read).
     Returns a function that restores the shipping launchers."""
     import kernels.decode_split as ds

@@ -66,7 +66,12 @@ consumer): correct, but 0.75-0.96x below 512k tokens, 1.03-1.11x above. That var
 code (one operand at a time: 40 bytes of spills), 0.82-0.98x and 1.04-1.11x
 (``h100-2026-11-27-rs32-recheck.json``). Four consumer warpgroups of one group each do not fit:
 20 warps leave at most 96 registers a thread at launch, and with 104-120 a consumer spills over
-1000 bytes (same json).
+1000 bytes (same json). Where the 32-row block's time goes at parts of few tiles
+(``benchmarks/kernel_timeline.py``'s copy of this kernel, ``h100-2026-11-27-rs32-timeline.json``):
+against the 16-row block at s_q=1, its first warpgroup stores q 1-2.8 us later, its second tile
+comes 4.1-4.4 us after the first (1.5-1.8), later tiles every 2.76 us (1.76-1.84), and its first
+warpgroup issues its stores 4.4-4.9 us after its loop ends (0.7-1.0). Even with the 16-row block's fixed costs
+it would run B=8, L=16k's decode in about 56 us, against the keys-on-M consumer's 52.7.
 
 Mutants (``h100-2026-11-27-wgmma-rs-mutants.json``, the 28 register-operand cases of
 ``tests/test_kernels_wgmma.py::test_decode_wgmma_ws_matches_reference_gpu``):

@@ -45,7 +45,7 @@ def test_bad_cases_are_usage_errors(load_benchmark):
             fc._parse_cases(bad, 3)
 
 
-@pytest.mark.parametrize("kernel", ["pp", "ws64"])
+@pytest.mark.parametrize("kernel", ["pp", "ws64", "rs"])
 def test_timeline_copies_build_with_every_event(load_benchmark, kernel):
     """Every anchor is found in the shipping kernel's source and every event gets a timer
     store; the copy imports (Gluon parses it) and its kernel takes the extra pointer right
@@ -56,9 +56,24 @@ def test_timeline_copies_build_with_every_event(load_benchmark, kernel):
         # the cadence slots are one run-time store, slot 16 + the tile's index
         assert f"_ts(ts_ptr, {e})" in src or (e >= 16 and "_ts(ts_ptr, 16 + " in src)
     mod = kt.instrument(kernel)
-    fn = mod._decode_pp_kernel if kernel == "pp" else mod._decode_ws64_kernel
+    fn = getattr(mod, f"_decode_{kernel}_kernel")
     names = fn.arg_names
     assert names[names.index("plse_ptr") + 1] == "ts_ptr"
+    assert kt.STORED[kernel] in kt.EVENTS[kernel]
+
+
+def test_timeline_kernel_is_the_default_route(load_benchmark):
+    """The kernel a timeline case is said to run is the one the CUDA defaults give it on Hopper (the
+    route table of decode_split), and cases no instrumented kernel runs are refused."""
+    kt = load_benchmark("kernel_timeline")
+    assert kt.kernel_for("bf16", 128, 1) == "pp" and kt.kernel_for("bf16", 16, 4) == "pp"
+    assert kt.kernel_for("fp8", 128, 2) == "ws64" and kt.kernel_for("fp8", 16, 1) == "rs"
+    assert kt.kernel_for("fp8", 16, 2) is None  # 32 rows: ws64's keys consumer (B > 4) or two rs blocks
+    assert kt.kernel_for("bf16", 16, 1) is None  # the kt kernel
+    fc = load_benchmark("fixed_cost_bench")
+    if torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no instrumented kernel runs it"):
+            fc.main(["--timeline", "bf16,16,1,8,512", "--routes", "", "--no-stores", "--bounds", ""])
 
 
 def test_timeline_refuses_a_moved_anchor(load_benchmark, monkeypatch):
@@ -94,9 +109,9 @@ def test_timeline_events_are_ordered_gpu(load_benchmark):
     from mla_ref import ModelSpec
     pool = kb.CachePool(ModelSpec(), 8 * 512 + 4096)
     gen = torch.Generator().manual_seed(0)
-    for kv, kernel in (("bf16", "pp"), ("fp8", "ws64")):
+    for kv, h, kernel in (("bf16", 128, "pp"), ("fp8", 128, "ws64"), ("fp8", 16, "rs")):
         torch.manual_seed(1)
-        c = fc._Case(pool, kv, 128, 1, 8, 512, gen)
+        c = fc._Case(pool, kv, h, 1, 8, 512, gen)
         c.forward()
         want = c.out.clone()
         ts = torch.zeros(c.programs, kt.SLOTS, dtype=torch.int64, device="cuda")
@@ -109,9 +124,10 @@ def test_timeline_events_are_ordered_gpu(load_benchmark):
             restore()
         assert torch.equal(c.out, want)
         t = ts.cpu()
-        live = t[:, 6] > 0
-        assert int(live.sum()) >= 8  # 8 requests x 2 row blocks, at least one program each
-        chain = [0, 1, 3, 5, 6]
+        live = t[:, kt.STORED[kernel]] > 0
+        assert int(live.sum()) >= 8  # 8 requests (x 2 row blocks at h=128), at least one program each
+        # entry, plan, first tile, loop end / scores exchanged, stored
+        chain = [0, 1, 3, 5, 6] if kernel != "rs" else [0, 1, 3, 5, 6, 8]
         for a, b in zip(chain, chain[1:]):
             assert bool((t[live, a] <= t[live, b]).all()), (kernel, a, b)
         # the cadence: each recorded tile after the one before, the first at the first tile's slot
