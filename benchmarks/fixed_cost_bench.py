@@ -62,12 +62,13 @@ DEFAULT_TIMELINE = "bf16,128,1,32,256;bf16,128,1,32,1024;bf16,128,2,32,1024;fp8,
 
 def tiles_per_part(batch: int, length: int, block_n: int, num_parts: int, min_tiles: int) -> tuple:
     """The planner's ``(T, P_eff)`` for ``batch`` requests of ``length`` keys each: ``T =
-    cdiv(total, P0)``, ``P0 = max(1, min(num_parts, total // min_tiles))``, ``P_eff = cdiv(total,
-    T)`` (``kernels/planner.py``); ``(0, 0)`` for no keys."""
+    cdiv(total, P0)``, ``P0`` from ``planner.first_parts``, ``P_eff = cdiv(total, T)``
+    (``kernels/planner.py``); ``(0, 0)`` for no keys."""
+    from kernels.planner import first_parts
     total = batch * -(-length // block_n)
     if total == 0:
         return 0, 0
-    p0 = max(1, min(num_parts, total // min_tiles))
+    p0 = first_parts(total, batch, num_parts=num_parts, min_tiles_per_part=min_tiles)
     t = -(-total // p0)
     return t, -(-total // t)
 

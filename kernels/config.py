@@ -889,7 +889,9 @@ def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = N
         # kernel runs these blocks) in 16- or 32-row blocks, parts of four 64-key tiles (the
         # Triton blocks' 256 keys). Over B 1-128, L 1k-16k (h100-2026-11-27-wgmma-kt-ab.json):
         # 16 rows 1.00-1.24x the Triton defaults above, geo-mean 1.13; 32 rows 1.01-1.26x the
-        # 64-row Gluon blocks above (parts of two tiles: 0.86x at B=1, L=16k)
+        # 64-row Gluon blocks above (parts of two tiles: 0.86x at B=1, L=16k). A batch of short
+        # requests too small for half the parts at four tiles gets parts of two from the planner
+        # (kernels/planner.py, SHORT_PARTS)
         block_m, block_n, warps, stages, min_tiles = (16 if rows <= 16 else 32), 64, 4, 1, 4
     if (gluon and 16 < rows <= 32 and batch is not None and batch <= SPLIT_ROWS_MAX_BATCH
             and (_ws_device() if fp8 else _kt_device())):

@@ -7,7 +7,13 @@ end to end — request 0's tiles, then request 1's, ... — and cuts that sequen
 pieces are merged by the combine kernel. Equal ranges balance the parts whatever the length
 skew. ``P_eff`` is the fewest parts that keep the longest one at ``T = cdiv(total, P0)``
 tiles, ``P0 = max(1, min(num_parts, total // min_tiles_per_part))``: ``P_eff = cdiv(total,
-T)``. The decode's time follows its longest part, which is ``T`` tiles either way, while
+T)``. With ``SHORT_PARTS`` (the default; ``first_parts``), a batch of short requests (at most
+``SHORT_TILES`` tiles a request on average) too small to keep half the parts busy at
+``min_tiles_per_part`` tiles a part is cut into parts of two tiles, up to half the parts:
+``P0 = max(1, min(num_parts, max(total // min_tiles_per_part, min(total // 2, num_parts //
+2))))`` -- a change only for ``min_tiles_per_part > 2`` (the few-row TMA kernels' 4). Longer
+requests keep the rule above: parts of two tiles would double the pieces the combine merges
+one after another. The decode's time follows its longest part, which is ``T`` tiles either way, while
 fewer parts cut fewer requests (less partial traffic, less combine work) and, when requests
 hold multiples of ``T`` tiles, cut them only at their ends: B=32 requests of 8 tiles over
 132 parts are 128 parts of 2 tiles, each inside one request, instead of 132 parts of 1-2
@@ -63,7 +69,16 @@ import triton.language as tl
 from .config import interpreting, next_pow2
 from .pdl import grid_release, pdl_on
 
-__all__ = ["launch_planner", "plan_reference"]
+__all__ = ["launch_planner", "plan_reference", "first_parts", "SHORT_PARTS", "SHORT_TILES"]
+
+#: a batch of short requests too small for half the parts at ``min_tiles_per_part`` tiles each is
+#: cut into parts of two tiles, up to half the parts (module doc). Parts of four tiles left most SMs
+#: idle there: h=16 B=8 L=1k (128 tiles) ran in 32 parts; in 64 parts of two, bf16 1.05x and FP8
+#: 1.17x, B 1-4 at L 1k-2k 1.01-1.17x; at B 1-2 L=4k (32 pieces a request) bf16 ran 0.94-0.96x, and
+#: parts of two at B=1 L=16k (128 pieces) 0.77-0.82x (H100, h100-2026-11-27-short-parts.json)
+SHORT_PARTS = True
+#: the short-batch rule's requests hold at most this many tiles on average (2048 keys at 64)
+SHORT_TILES = 32
 
 
 # Chunk caps (module-level so tests can shrink them to exercise the multi-chunk paths with
@@ -82,7 +97,8 @@ _FUSE_ON_INTERPRETER = True
 def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
                     NUM_PARTS: tl.constexpr, PART_PROGS: tl.constexpr, BLOCK_P: tl.constexpr,
                     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-                    FUSED: tl.constexpr, PDL: tl.constexpr = False):
+                    FUSED: tl.constexpr, PDL: tl.constexpr = False, SHORT: tl.constexpr = False,
+                    SHORT_TILES: tl.constexpr = 32):
     # No nested jit helpers: under TRITON_INTERPRET=1 every nested call re-patches the
     # interpreter (milliseconds each), paid per program of every test example.
     #
@@ -100,10 +116,16 @@ def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
     lens = tl.load(seq_ptr + offs_b, mask=offs_b < B, other=0)
     tiles = (tl.maximum(lens, 0) + BLOCK_N - 1) // BLOCK_N
     total = tl.sum(tiles, axis=0)
+    busy = tl.sum((tiles > 0).to(tl.int32), axis=0)  # requests with keys
     for b0 in range(BLOCK_B, B, BLOCK_B):
         lens_x = tl.load(seq_ptr + b0 + offs_b, mask=(b0 + offs_b) < B, other=0)
         total += tl.sum((tl.maximum(lens_x, 0) + BLOCK_N - 1) // BLOCK_N, axis=0)
-    parts0 = tl.maximum(tl.minimum(NUM_PARTS, total // MIN_TILES), 1)
+        busy += tl.sum((lens_x > 0).to(tl.int32), axis=0)
+    parts0 = total // MIN_TILES
+    if SHORT:  # first_parts: parts of two tiles, up to half of them, for a batch of short requests
+        parts0 = tl.where(total <= SHORT_TILES * busy, tl.maximum(parts0, tl.minimum(total // 2, NUM_PARTS // 2)),
+                          parts0)
+    parts0 = tl.maximum(tl.minimum(NUM_PARTS, parts0), 1)
     # int64: total * P_eff can pass 2**31 (and total + T - 1 nearly so)
     total64 = tl.maximum(total, 1).to(tl.int64)
     # the fewest parts of at most T = cdiv(total, P0) tiles (module doc); scalar divisions, once
@@ -218,18 +240,38 @@ def launch_planner(cache_seqlens: torch.Tensor, part_info: torch.Tensor, num_spl
     _planner_kernel[(part_progs + req_progs - fused,)](
         cache_seqlens, part_info, num_splits, split_offsets, B,
         NUM_PARTS=num_parts, PART_PROGS=part_progs, BLOCK_P=block_p, BLOCK_B=block_b,
-        BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, FUSED=fused, PDL=pdl_on(cache_seqlens), num_warps=num_warps)
+        BLOCK_N=block_n, MIN_TILES=min_tiles_per_part, FUSED=fused, PDL=pdl_on(cache_seqlens),
+        SHORT=_short(min_tiles_per_part), SHORT_TILES=SHORT_TILES, num_warps=num_warps)
 
 
-def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_per_part: int):
-    """The same partition in plain Python (for tests and diagnosis).
+def _short(min_tiles_per_part: int) -> bool:
+    # the rule changes nothing at parts of at most two tiles: one compiled variant there
+    return bool(SHORT_PARTS) and min_tiles_per_part > 2
+
+
+def first_parts(total: int, requests: int, *, num_parts: int, min_tiles_per_part: int, short_parts=None) -> int:
+    """``P0``, the parts the planner first cuts ``total`` key tiles of ``requests`` requests with keys
+    into (module doc): ``min(num_parts, total // min_tiles_per_part)``, at least 1; with
+    ``short_parts`` (default ``SHORT_PARTS``) and at most ``SHORT_TILES`` tiles a request, at least
+    ``min(total // 2, num_parts // 2)`` too. ``P_eff`` then follows from ``T = cdiv(total, P0)``."""
+    short = _short(min_tiles_per_part) if short_parts is None else bool(short_parts) and min_tiles_per_part > 2
+    p0 = total // min_tiles_per_part
+    if short and total <= SHORT_TILES * requests:
+        p0 = max(p0, min(total // 2, num_parts // 2))
+    return max(1, min(num_parts, p0))
+
+
+def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_per_part: int, short_parts=None):
+    """The same partition in plain Python (for tests and diagnosis); ``short_parts`` as
+    ``first_parts``.
 
     Returns ``(part_info [(req, tile, split)] * (num_parts+1), num_splits [B], split_offsets [B])``.
     """
     B = len(seq_lens)
     tiles = [-(-max(int(L), 0) // block_n) for L in seq_lens]
     total = sum(tiles)
-    parts0 = max(1, min(num_parts, total // min_tiles_per_part))
+    parts0 = first_parts(total, sum(t > 0 for t in tiles), num_parts=num_parts, min_tiles_per_part=min_tiles_per_part,
+                         short_parts=short_parts)
     longest = -(-max(total, 1) // parts0)
     parts_eff = -(-max(total, 1) // longest)
     cum = [0]

@@ -75,7 +75,8 @@ def check_plan(seq_lens, num_parts, block_n, min_tiles, info, nsplit, offsets):
         span = set(range(lo, hi))
         assert not (span & used), "partial rows overlap"
         used |= span
-    # balance: live parts differ by at most one tile and hold >= min_tiles when possible
+    # balance: live parts differ by at most one tile and hold >= min_tiles when possible --
+    # or >= 2 where the short-batch rule (planner.SHORT_PARTS, min_tiles > 2) took more parts
     sizes = {}
     for (b, t), [(p, _)] in covered.items():
         sizes[p] = sizes.get(p, 0) + 1
@@ -83,11 +84,20 @@ def check_plan(seq_lens, num_parts, block_n, min_tiles, info, nsplit, offsets):
         live = list(sizes.values())
         assert max(live) - min(live) <= 1, f"unbalanced parts {sizes}"
         assert len(live) <= num_parts
-        if total >= min_tiles:
-            assert min(live) >= min_tiles, f"a part got fewer than {min_tiles} tiles: {sizes}"
-        # the longest part is that of an equal split over P0 = min(num_parts, total // min_tiles)
-        # parts, and no more parts are used than that length needs (planner module doc)
-        p0 = max(1, min(num_parts, total // min_tiles))
+        # P0 = min(num_parts, total // min_tiles), or with the short-batch rule at least
+        # min(total // 2, num_parts // 2) (planner module doc)
+        p0 = total // min_tiles
+        busy = sum(t > 0 for t in tiles)
+        if (planner_mod.SHORT_PARTS and min_tiles > 2 and total <= planner_mod.SHORT_TILES * busy
+                and min(total // 2, num_parts // 2) > p0):
+            p0, least = min(total // 2, num_parts // 2), 2
+        else:
+            least = min_tiles
+        if total >= least:
+            assert min(live) >= least, f"a part got fewer than {least} tiles: {sizes}"
+        # the longest part is that of an equal split over P0 parts, and no more parts are used
+        # than that length needs
+        p0 = max(1, min(num_parts, p0))
         longest = -(-total // p0)
         assert max(live) == longest, f"longest part {max(live)} tiles, an equal split over {p0} has {longest}"
         assert len(live) == -(-total // longest), f"{len(live)} parts where {-(-total // longest)} of <= {longest} do"
@@ -102,6 +112,30 @@ def test_planner_covers_every_tile_once(seq_lens, num_parts, block_n, min_tiles)
     check_plan(seq_lens, num_parts, block_n, min_tiles, info, nsplit, offsets)
     ref = plan_reference(seq_lens, num_parts=num_parts, block_n=block_n, min_tiles_per_part=min_tiles)
     assert (info, nsplit, offsets) == ([list(r) for r in ref[0]], ref[1], ref[2])
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_short_batch_rule_cuts_parts_of_two_tiles(monkeypatch, short):
+    """h=16 at B=8, L=1k (128 tiles of 64 keys, 132 parts, parts of at least four tiles): 32 parts of
+    four leave 100 SMs idle; the short-batch rule cuts 64 parts of two instead. Requests of more
+    than SHORT_TILES tiles keep parts of four: B=2, L=4k (also 128 tiles, 64 a request), and B=1,
+    L=16k. Empty requests (padding) do not count as requests."""
+    monkeypatch.setattr(planner_mod, "SHORT_PARTS", short)
+    for seq_lens, want_parts, want_tiles in (([1024] * 8, 64 if short else 32, 2 if short else 4),
+                                            ([4096, 4096], 32, 4), ([16384], 64, 4),
+                                            ([1024], 8 if short else 4, 2 if short else 4),
+                                            ([2048] + [0] * 7, 16 if short else 8, 2 if short else 4),
+                                            ([4096] + [0] * 7, 16, 4)):
+        info, nsplit, offsets = run_planner(seq_lens, 132, 64, 4)
+        check_plan(seq_lens, 132, 64, 4, info, nsplit, offsets)
+        assert_matches_reference(seq_lens, 132, 64, 4, (info, nsplit, offsets))
+        sizes = {}
+        for (b, t), [(p, _)] in walk_parts(info, seq_lens, 64).items():
+            sizes[p] = sizes.get(p, 0) + 1
+        assert len(sizes) == want_parts and set(sizes.values()) == {want_tiles}, (seq_lens, sizes)
+    # parts of at most two tiles: the rule changes nothing (one compiled planner there)
+    assert planner_mod.first_parts(128, 8, num_parts=132, min_tiles_per_part=2) == 64
+    assert planner_mod.first_parts(16, 1, num_parts=132, min_tiles_per_part=1) == 16
 
 
 def assert_matches_reference(seq_lens, num_parts, block_n, min_tiles, got):
