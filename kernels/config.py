@@ -618,7 +618,9 @@ class DecodeConfig:
       that keep the longest at ``cdiv(total, num_parts)`` tiles; ``kernels/planner.py``); a
       request crossed by a cut is split, its pieces merged by the combine kernel.
     - ``min_tiles_per_part``: fewer parts are used when the batch is short, so a part
-      never gets less than this many tiles (combine work would dominate).
+      gets at least this many tiles (combine work would dominate) -- except, above 2, a batch
+      of short requests too small for half the parts, which gets parts of two tiles
+      (``kernels/planner.py``, ``SHORT_PARTS``).
     - ``num_warps`` / ``num_stages``: Triton's; ignored by the interpreter.
     - ``combine_block_m``: rows per combine program.
     - ``combine_col_blocks``: combine programs per row block, each merging ``rank /
