@@ -174,8 +174,8 @@ def run_scaling(pool, routes, batch, lengths, reps, fit_min, flush, gen) -> dict
 
 
 def run_timeline(pool, cases, reps, flush, gen) -> list:
-    """Part 2: for each ``(kv, h, s_q, B, L)`` (``kernel_timeline.kernel_for`` names its kernel), ``reps`` flushed replays of
-    the instrumented kernel; the last one's ``kernel_timeline.summarize`` and every replay's
+    """Part 2: for each ``(kv, h, s_q, B, L)`` (``kernel_timeline.kernel_for`` names its kernel),
+    ``reps`` flushed replays of the instrumented kernel; the last one's ``kernel_timeline.summarize`` and every replay's
     latest result store (us after the first program's entry)."""
     import kernel_timeline as kt
     out = []

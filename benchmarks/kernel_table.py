@@ -166,7 +166,8 @@ def readme_block(text: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("grid", nargs="?", help="a kernel_bench json (default with --write/--check: the one the marker names)")
+    ap.add_argument("grid", nargs="?",
+                    help="a kernel_bench json (default with --write/--check: the one the marker names)")
     ap.add_argument("--against", help="an older grid's json: per-group speed ratios")
     ap.add_argument("--write", metavar="README", help="replace the README's kernel-table block")
     ap.add_argument("--check", metavar="README", help="exit 1 when the README's kernel-table block is stale")

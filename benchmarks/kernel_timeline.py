@@ -150,15 +150,15 @@ _EDITS = {
          16),
     ],
     "rs": [
-        ("sub", "po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale,", "po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, "
-         "qk_scale,", 1),  # the kernel's signature
+        ("sub", "po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale,",
+         "po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, qk_scale,", 1),  # the kernel's signature
         # the consumers' signature and their two argument tuples, then the producer's
-        ("sub", "plse_ptr, partial_cap, qk_scale, SQ, H, codes_s", "plse_ptr, ts_ptr, partial_cap, qk_scale, SQ, H, codes_s",
-         3),
-        ("sub", "off_ptr, bt_stride,\n                     codes_s,", "off_ptr, ts_ptr, bt_stride,\n                     codes_s,",
-         1),
-        ("sub", "off_ptr,\n                            bt_stride, codes_s,", "off_ptr,\n                            ts_ptr, "
-         "bt_stride, codes_s,", 1),
+        ("sub", "plse_ptr, partial_cap, qk_scale, SQ, H, codes_s",
+         "plse_ptr, ts_ptr, partial_cap, qk_scale, SQ, H, codes_s", 3),
+        ("sub", "off_ptr, bt_stride,\n" + " " * 21 + "codes_s,",
+         "off_ptr, ts_ptr, bt_stride,\n" + " " * 21 + "codes_s,", 1),
+        ("sub", "off_ptr,\n" + " " * 28 + "bt_stride, codes_s,",
+         "off_ptr,\n" + " " * 28 + "ts_ptr, bt_stride, codes_s,", 1),
         _LAUNCH_TS,
         ("before", _KERNEL_WAIT, _timer(0), 1),
         ("after", _KERNEL_WAIT, _timer(1), 1),

@@ -70,8 +70,9 @@ code (one operand at a time: 40 bytes of spills), 0.82-0.98x and 1.04-1.11x
 (``benchmarks/kernel_timeline.py``'s copy of this kernel, ``h100-2026-11-27-rs32-timeline.json``):
 against the 16-row block at s_q=1, its first warpgroup stores q 1-2.8 us later, its second tile
 comes 4.1-4.4 us after the first (1.5-1.8), later tiles every 2.76 us (1.76-1.84), and its first
-warpgroup issues its stores 4.4-4.9 us after its loop ends (0.7-1.0). Even with the 16-row block's fixed costs
-it would run B=8, L=16k's decode in about 56 us, against the keys-on-M consumer's 52.7.
+warpgroup issues its stores 4.4-4.9 us after its loop ends (0.7-1.0). Even with the 16-row
+block's fixed costs it would run B=8, L=16k's decode in about 56 us, against the keys-on-M
+consumer's 52.7.
 
 Mutants (``h100-2026-11-27-wgmma-rs-mutants.json``, the 28 register-operand cases of
 ``tests/test_kernels_wgmma.py::test_decode_wgmma_ws_matches_reference_gpu``):

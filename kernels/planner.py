@@ -13,9 +13,9 @@ T)``. With ``SHORT_PARTS`` (the default; ``first_parts``), a batch of short requ
 ``P0 = max(1, min(num_parts, max(total // min_tiles_per_part, min(total // 2, num_parts //
 2))))`` -- a change only for ``min_tiles_per_part > 2`` (the few-row TMA kernels' 4). Longer
 requests keep the rule above: parts of two tiles would double the pieces the combine merges
-one after another. The decode's time follows its longest part, which is ``T`` tiles either way, while
-fewer parts cut fewer requests (less partial traffic, less combine work) and, when requests
-hold multiples of ``T`` tiles, cut them only at their ends: B=32 requests of 8 tiles over
+one after another. The decode's time follows its longest part, which is ``T`` tiles either
+way, while fewer parts cut fewer requests (less partial traffic, less combine work) and, when
+requests hold multiples of ``T`` tiles, cut them only at their ends: B=32 requests of 8 tiles over
 132 parts are 128 parts of 2 tiles, each inside one request, instead of 132 parts of 1-2
 tiles straddling requests.
 
