@@ -44,6 +44,18 @@ h=128 s_q=2 11.1 -> 8.7 / 54.1 -> 51.6; B=8, L=16k h=16 6.6 -> 5.0 / 81.2 -> 79.
 at the config's 128-column blocks ran 0.3-0.7 us slower at wide grids (h=128, B 8-32), so
 wide blocks keep the loop above; narrow blocks without loads first were slower still
 (38.7 us at B=1).
+
+Wide trips. A narrow block's merge is still a chain of trips, each waiting for its four loads
+(from L2, where the decode just wrote them): B=1, L=16k's 128 pieces took 32 of them. While
+``WIDE_TRIP`` (16) or more pieces remain, a trip now loads sixteen (four groups of four, all
+issued before the first is folded) and folds them four at a time, the same arithmetic in the
+same order as four trips of four (bit for bit the same results); the rest go four a trip.
+Requests of fewer pieces never take the wide trip. The old and new kernel in one process on an
+H100, full graph replays (``h100-2026-11-27-combine-wide-trips.json``): B=1, L=16k 1.15-1.22x
+(the combine 12.4-13.7 -> 7.0-7.8 us), B=1 L=4k s_q=2 1.14x, h=16 B=8 L 4k-16k 1.02-1.06x
+(5.1-5.4 -> 3.5-4.1 us), elsewhere 0.995-1.008x. Loading sixteen slots whatever the request's
+pieces (no four-piece tail loop) cost h=16 s_q=1 B=32 0.955-0.983x (same json,
+``always_sixteen``).
 """
 from __future__ import annotations
 
@@ -55,7 +67,7 @@ from .config import _sm_count, interpreting
 from .pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
-__all__ = ["launch_combine", "combine_columns", "COMBINE_CHUNK", "NARROW_COLUMNS"]
+__all__ = ["launch_combine", "combine_columns", "COMBINE_CHUNK", "NARROW_COLUMNS", "WIDE_TRIP"]
 
 #: pieces of a request merged per loop trip: their loads are independent, so a trip keeps
 #: CHUNK of them in flight (module doc; 4 and 8 measured alike at B=1, 4 level elsewhere)
@@ -64,6 +76,45 @@ COMBINE_CHUNK = 4
 #: trip are loaded before they are folded (module doc, "Loads first"); also what a launch that
 #: would leave SMs idle narrows its blocks to
 NARROW_COLUMNS = 32
+#: pieces a narrow block's trip loads while that many remain (module doc, "Wide trips"); the
+#: kernel's wide trip is written for sixteen
+WIDE_TRIP = 16
+
+
+@triton.jit
+def _load4(po_ptr, plse_ptr, r0, jv, n, row_ok, offs_m, prow, ROWS, RANK: tl.constexpr):
+    # Pieces r0 .. r0 + 3 of the partial buffer, those of index (jv: as a [BLOCK_M] tensor, the
+    # interpreter takes no scalar masks) below n: lse [BLOCK_M] (-inf past n) and partial rows
+    # [BLOCK_M, BLOCK_R] at prow (0 past n), four independent loads
+    ok0 = row_ok & (jv < n)
+    ok1 = row_ok & (jv + 1 < n)
+    ok2 = row_ok & (jv + 2 < n)
+    ok3 = row_ok & (jv + 3 < n)
+    l0 = tl.load(plse_ptr + r0 * ROWS + offs_m, mask=ok0, other=float("-inf"))
+    l1 = tl.load(plse_ptr + (r0 + 1) * ROWS + offs_m, mask=ok1, other=float("-inf"))
+    l2 = tl.load(plse_ptr + (r0 + 2) * ROWS + offs_m, mask=ok2, other=float("-inf"))
+    l3 = tl.load(plse_ptr + (r0 + 3) * ROWS + offs_m, mask=ok3, other=float("-inf"))
+    p0 = tl.load(po_ptr + r0 * (ROWS * RANK) + prow, mask=ok0[:, None], other=0.0)
+    p1 = tl.load(po_ptr + (r0 + 1) * (ROWS * RANK) + prow, mask=ok1[:, None], other=0.0)
+    p2 = tl.load(po_ptr + (r0 + 2) * (ROWS * RANK) + prow, mask=ok2[:, None], other=0.0)
+    p3 = tl.load(po_ptr + (r0 + 3) * (ROWS * RANK) + prow, mask=ok3[:, None], other=0.0)
+    return l0, l1, l2, l3, p0, p1, p2, p3
+
+
+@triton.jit
+def _fold4(m, l_sum, acc, l0, l1, l2, l3, p0, p1, p2, p3):
+    # Four loaded pieces folded into the running max m, sum l_sum ([BLOCK_M]) and accumulator
+    # acc ([BLOCK_M, BLOCK_R]), rescaled by 2**(m_old - m_new) as the decode's online softmax
+    m_new = tl.maximum(tl.maximum(m, tl.maximum(l0, l1)), tl.maximum(l2, l3))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_ref)  # 0 while m is -inf (nothing merged yet)
+    w0 = tl.exp2(l0 - m_ref)  # 0 for a masked piece or a row without keys
+    w1 = tl.exp2(l1 - m_ref)
+    w2 = tl.exp2(l2 - m_ref)
+    w3 = tl.exp2(l3 - m_ref)
+    l_sum = l_sum * alpha + ((w0 + w1) + (w2 + w3))
+    acc = acc * alpha[:, None] + w0[:, None] * p0 + w1[:, None] * p1 + w2[:, None] * p2 + w3[:, None] * p3
+    return m_new, l_sum, acc
 
 
 @triton.jit
@@ -115,34 +166,30 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if LOADS_FIRST:
-        # Narrow column blocks: the trip's four pieces are loaded into four tensors before any
-        # is folded, so their loads are in flight together (module doc, "Loads first")
+        # Narrow column blocks: a trip's pieces are loaded into separate tensors before any is
+        # folded, so their loads are in flight together (module doc, "Loads first"); sixteen
+        # a trip while sixteen remain, then four (module doc, "Wide trips")
         prow = offs_m[:, None] * RANK + offs_r[None, :]
-        for j0 in range(0, n, 4):
+        j_wide = n - n % 16
+        for j0 in range(0, j_wide, 16):
             r0 = (first + j0).to(tl.int64)
-            jv = offs_m * 0 + j0  # as a tensor: the interpreter takes no scalar masks
-            ok0 = row_ok & (jv < n)
-            ok1 = row_ok & (jv + 1 < n)
-            ok2 = row_ok & (jv + 2 < n)
-            ok3 = row_ok & (jv + 3 < n)
-            l0 = tl.load(plse_ptr + r0 * ROWS + offs_m, mask=ok0, other=float("-inf"))
-            l1 = tl.load(plse_ptr + (r0 + 1) * ROWS + offs_m, mask=ok1, other=float("-inf"))
-            l2 = tl.load(plse_ptr + (r0 + 2) * ROWS + offs_m, mask=ok2, other=float("-inf"))
-            l3 = tl.load(plse_ptr + (r0 + 3) * ROWS + offs_m, mask=ok3, other=float("-inf"))
-            p0 = tl.load(po_ptr + r0 * (ROWS * RANK) + prow, mask=ok0[:, None], other=0.0)
-            p1 = tl.load(po_ptr + (r0 + 1) * (ROWS * RANK) + prow, mask=ok1[:, None], other=0.0)
-            p2 = tl.load(po_ptr + (r0 + 2) * (ROWS * RANK) + prow, mask=ok2[:, None], other=0.0)
-            p3 = tl.load(po_ptr + (r0 + 3) * (ROWS * RANK) + prow, mask=ok3[:, None], other=0.0)
-            m_new = tl.maximum(tl.maximum(m, tl.maximum(l0, l1)), tl.maximum(l2, l3))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_ref)  # 0 while m is -inf (nothing merged yet)
-            w0 = tl.exp2(l0 - m_ref)  # 0 for a masked piece or a row without keys
-            w1 = tl.exp2(l1 - m_ref)
-            w2 = tl.exp2(l2 - m_ref)
-            w3 = tl.exp2(l3 - m_ref)
-            l_sum = l_sum * alpha + ((w0 + w1) + (w2 + w3))
-            acc = acc * alpha[:, None] + w0[:, None] * p0 + w1[:, None] * p1 + w2[:, None] * p2 + w3[:, None] * p3
-            m = m_new
+            jv = offs_m * 0 + j0
+            l0, l1, l2, l3, p0, p1, p2, p3 = _load4(po_ptr, plse_ptr, r0, jv, n, row_ok, offs_m, prow, ROWS, RANK)
+            l4, l5, l6, l7, p4, p5, p6, p7 = _load4(po_ptr, plse_ptr, r0 + 4, jv + 4, n, row_ok, offs_m, prow, ROWS,
+                                                    RANK)
+            l8, l9, la, lb, p8, p9, pa, pb = _load4(po_ptr, plse_ptr, r0 + 8, jv + 8, n, row_ok, offs_m, prow, ROWS,
+                                                    RANK)
+            lc, ld, le, lf, pc, pd, pe, pf = _load4(po_ptr, plse_ptr, r0 + 12, jv + 12, n, row_ok, offs_m, prow, ROWS,
+                                                    RANK)
+            m, l_sum, acc = _fold4(m, l_sum, acc, l0, l1, l2, l3, p0, p1, p2, p3)
+            m, l_sum, acc = _fold4(m, l_sum, acc, l4, l5, l6, l7, p4, p5, p6, p7)
+            m, l_sum, acc = _fold4(m, l_sum, acc, l8, l9, la, lb, p8, p9, pa, pb)
+            m, l_sum, acc = _fold4(m, l_sum, acc, lc, ld, le, lf, pc, pd, pe, pf)
+        for j0 in range(j_wide, n, 4):
+            r0 = (first + j0).to(tl.int64)
+            jv = offs_m * 0 + j0
+            l0, l1, l2, l3, p0, p1, p2, p3 = _load4(po_ptr, plse_ptr, r0, jv, n, row_ok, offs_m, prow, ROWS, RANK)
+            m, l_sum, acc = _fold4(m, l_sum, acc, l0, l1, l2, l3, p0, p1, p2, p3)
     else:
         for j0 in range(0, n, CHUNK):
             for c in tl.static_range(CHUNK):

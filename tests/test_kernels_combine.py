@@ -78,15 +78,17 @@ def test_combine_by_kind_of_request(dtype, s_q, h, col_blocks):
 
 
 
-@pytest.mark.parametrize("col_blocks", [1, 2, 4])
-def test_combine_many_pieces_over_several_trips(col_blocks):
-    """Requests of more pieces than one merge trip holds (``combine.COMBINE_CHUNK``): a whole
-    number of trips, one and a piece, and a last trip of a single piece; the running max
-    rises in a later trip (a large lse there) and some pieces have no keys for some rows.
-    The rows past each request's pieces are NaN, so a lane of a trip that reads past its
-    request would show. Rank 64: one column block folds piece by piece, two and four (32 and
-    16 columns) load a trip's pieces first (``combine.NARROW_COLUMNS``)."""
-    from kernels.combine import COMBINE_CHUNK as K
+@pytest.mark.parametrize("col_blocks,trip", [(1, "chunk"), (2, "chunk"), (4, "chunk"), (1, "wide"), (2, "wide")])
+def test_combine_many_pieces_over_several_trips(col_blocks, trip):
+    """Requests of more pieces than one merge trip holds (``combine.COMBINE_CHUNK``, or the
+    narrow blocks' ``combine.WIDE_TRIP``): a whole number of trips, one and a piece, and a last
+    trip of a single piece; the running max rises in a later trip (a large lse there) and some
+    pieces have no keys for some rows. The rows past each request's pieces are NaN, so a lane
+    of a trip that reads past its request would show. Rank 64: one column block folds piece by
+    piece, two and four (32 and 16 columns) load a trip's pieces first
+    (``combine.NARROW_COLUMNS``), sixteen a trip while sixteen remain."""
+    from kernels.combine import COMBINE_CHUNK, WIDE_TRIP
+    K = COMBINE_CHUNK if trip == "chunk" else WIDE_TRIP
     g = torch.Generator().manual_seed(11)
     rank, rows = 64, 6
     nsplit = torch.tensor([2 * K, K + 1, 2 * K + 1, 1], dtype=torch.int32)
