@@ -106,9 +106,14 @@ def _graph_of(fn):
     return g
 
 
-def _kernel_medians(g, flush, reps: int) -> dict:
-    """Median CUPTI duration (us) of the planner, decode and combine kernels over ``reps``
-    replays, each after ``flush()``."""
+#: the forward's kernels by role: a substring of each kernel's name
+ROLES = {"planner": "planner", "decode": "decode", "combine": "combine"}
+
+
+def _kernel_medians(g, flush, reps: int, roles: dict = ROLES) -> dict:
+    """Median CUPTI duration (us) of each role's kernel (``roles``: role -> a substring of its
+    name; the planner, decode and combine by default) over ``reps`` replays of graph ``g``, each
+    after ``flush()``; ``<role>_name`` the kernel's name."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
@@ -119,21 +124,21 @@ def _kernel_medians(g, flush, reps: int) -> dict:
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        for role in ("planner", "decode", "combine"):
-            if role in e.name:
+        for role, name in roles.items():
+            if name in e.name:
                 per[role].append(e.time_range.end - e.time_range.start)
                 per[role + "_name"] = e.name
     return {k: (v if k.endswith("_name") else sorted(v)[len(v) // 2]) for k, v in per.items()}
 
 
 class _Case:
-    """One (kv, h, s_q, B, L) launch at the default config: ``kernel_bench.build_case``'s backend
-    with a random bf16 q and an output buffer."""
+    """One (kv, h, s_q, B, L) launch at the default config (or ``config``):
+    ``kernel_bench.build_case``'s backend with a random bf16 q and an output buffer."""
 
-    def __init__(self, pool, kv, h, s_q, batch, length, gen):
+    def __init__(self, pool, kv, h, s_q, batch, length, gen, config=None):
         import kernel_bench as kb
         spec = ModelSpec(num_heads=h)
-        self.cfg = default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8", batch=batch)
+        self.cfg = config or default_config(spec, s_q, torch.device("cuda"), fp8=kv == "fp8", batch=batch)
         self.be, self.md, self.cache = kb.build_case(pool, h, s_q, batch, length, kv, self.cfg, gen)
         self.q = torch.randn(batch, s_q, h, spec.d_qk, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty(batch, s_q, h, spec.kv_lora_rank, device="cuda", dtype=torch.bfloat16)

@@ -178,11 +178,19 @@ def measure_case(spec, pool, h, s_q, B, L, kv, config, gen) -> dict:
     cache), h heads, s_q query tokens each. Returns ``ms`` (clean-flush replay median),
     ``io_bytes`` (KV + q + out), ``flops``, ``kv_bytes`` and ``time_us_do_bench``."""
     be, md, cache = build_case(pool, h, s_q, B, L, kv, config, gen)
-    q, out, t_ms, t_db = _time_graph_replay(be, md, cache, spec, B, s_q, h)
-    kv_bytes = B * L * BYTES_PER_TOKEN[kv]
-    io_bytes = kv_bytes + q.numel() * 2 + out.numel() * 2
-    flops = 2.0 * B * s_q * h * L * (spec.d_qk + spec.kv_lora_rank)
+    _, _, t_ms, t_db = _time_graph_replay(be, md, cache, spec, B, s_q, h)
+    io_bytes, flops, kv_bytes = case_cost(spec, h, s_q, B, L, kv)
     return dict(ms=t_ms, io_bytes=io_bytes, flops=flops, kv_bytes=kv_bytes, time_us_do_bench=t_db * 1e3)
+
+
+def case_cost(spec, h, s_q, B, L, kv) -> tuple:
+    """``(io_bytes, flops, kv_bytes)`` of a dense case (``measure_case``): the cache's bytes of B
+    requests of L tokens plus the bf16 q ``[B, s_q, h, d_qk]`` and out ``[B, s_q, h, rank]``, and
+    the two dots' flops."""
+    kv_bytes = B * L * BYTES_PER_TOKEN[kv]
+    io_bytes = kv_bytes + B * s_q * h * (spec.d_qk + spec.kv_lora_rank) * 2
+    flops = 2.0 * B * s_q * h * L * (spec.d_qk + spec.kv_lora_rank)
+    return io_bytes, flops, kv_bytes
 
 
 def roofline_ms(io_bytes: float, flops: float, copy_tbps: float, mm_tflops: float) -> float:

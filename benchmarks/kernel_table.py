@@ -10,9 +10,10 @@ Two tables, both computed from the json's case records (never typed by hand):
 
 ``--against OLD.json`` adds, per (kv, h, s_q), the geo-mean and range of OLD's time over this
 one's (separate commands: only shifts beyond a few percent mean anything). ``--write README.md``
-replaces the block between ``<!-- kernel-table: PATH -->`` and ``<!-- /kernel-table -->`` with
-the tables of PATH; ``--check README.md`` exits 1 when that block is not what PATH gives
-(``tests/test_kernel_table.py`` runs it on the README).
+replaces the body of each block between ``<!-- kernel-table: PATH -->`` and ``<!-- /kernel-table
+-->`` with the tables of PATH, and of each ``<!-- design-floor: PATH -->`` block with
+``design_floor.table`` of that run; ``--check README.md`` exits 1 when a block is not what its
+json gives (``tests/test_kernel_table.py`` runs it on the README).
 
     python benchmarks/kernel_table.py benchmarks/results/h100-2026-11-27-kernel-32.json
     python benchmarks/kernel_table.py --write README.md   # the json the README's marker names
@@ -34,7 +35,9 @@ ROOF_TARGET = 2.0
 MEM_TOKENS = 128 * 1024
 BIG_BATCH = 32
 
-_BEGIN = re.compile(r"<!-- kernel-table: (?P<path>\S+) -->\n")
+#: README blocks this tool writes, by marker name: ``<!-- NAME: PATH -->`` ... ``<!-- /NAME -->``
+#: (``kernel-table``: a kernel_bench grid; ``design-floor``: a design_floor.py run)
+_BEGIN = re.compile(r"<!-- (?P<name>kernel-table|design-floor): (?P<path>\S+) -->\n")
 _END = "<!-- /kernel-table -->"
 
 
@@ -73,6 +76,20 @@ def misses_target(r: dict) -> bool:
     """Whether case record ``r`` misses one of issue 3's per-case targets: an h=16 case of
     B·L >= 128k tokens under 75% of the copy rate, or a case of B >= 32 over 2x its roofline."""
     return (_mem_case(r) and r["bw_ratio"] < BW_TARGET) or (r["B"] >= BIG_BATCH and r["x_roofline"] > ROOF_TARGET)
+
+
+def target_limits_us(h: int, B: int, L: int, io_bytes: float, roofline_us: float, copy_tbps: float) -> dict:
+    """The longest time (us) each of issue 3's per-case targets allows a case (``io_bytes`` read
+    and written, ``roofline_us`` its bound, ``copy_tbps`` the copy rate measured beside it), for
+    the targets that apply to it: ``copy_share`` (h=16 at B·L >= 128k tokens: the bytes at 75%
+    of the copy rate) and ``x_roofline`` (B >= 32: twice the roofline). The times at which
+    ``misses_target`` flips."""
+    lim = {}
+    if h == 16 and B * L >= MEM_TOKENS:
+        lim["copy_share"] = io_bytes / (BW_TARGET * copy_tbps * 1e12) * 1e6
+    if B >= BIG_BATCH:
+        lim["x_roofline"] = ROOF_TARGET * roofline_us
+    return lim
 
 
 def headline_table(doc: dict) -> str:
@@ -146,22 +163,49 @@ def compare_table(doc: dict, base: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(path: str) -> str:
-    """The README block's body for the grid at ``path``: the headline table, then every case."""
+def render(path: str, name: str = "kernel-table") -> str:
+    """A README block's body for the json at ``path``: for ``kernel-table`` (a grid) the headline
+    table, then every case; for ``design-floor`` ``design_floor.table`` of that run."""
+    if name == "design-floor":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import design_floor
+        return design_floor.table(design_floor.load_run(path))
     doc = load_grid(path)
     return headline_table(doc) + "\n" + case_table(doc)
 
 
-def readme_block(text: str):
-    """``(path, start, end)`` of the README's kernel-table block: the json it names and the span of
-    its body (between the two markers); TableError when the markers are missing."""
-    m = _BEGIN.search(text)
-    if not m:
+def readme_blocks(text: str) -> list:
+    """``[(name, path, start, end), ...]`` of the README's blocks (``_BEGIN``), in order: the
+    marker's name, the json it names and the span of its body (between the two markers);
+    TableError when there is none, or a block has no closing marker."""
+    blocks = []
+    for m in _BEGIN.finditer(text):
+        close = f"<!-- /{m.group('name')} -->"
+        end = text.find(close, m.end())
+        if end < 0:
+            raise TableError(f"no '{close}' after the {m.group('name')} marker")
+        blocks.append((m.group("name"), m.group("path"), m.end(), end))
+    if not blocks:
         raise TableError("no '<!-- kernel-table: PATH -->' marker")
-    end = text.find(_END, m.end())
-    if end < 0:
-        raise TableError(f"no '{_END}' after the kernel-table marker")
-    return m.group("path"), m.end(), end
+    return blocks
+
+
+def readme_block(text: str):
+    """``(path, start, end)`` of the README's first kernel-table block (``readme_blocks``)."""
+    for name, path, start, end in readme_blocks(text):
+        if name == "kernel-table":
+            return path, start, end
+    raise TableError("no '<!-- kernel-table: PATH -->' marker")
+
+
+def _kind(path: str) -> str:
+    # the marker name a json's block takes: a design_floor run or (else) a grid
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return "kernel-table"  # render() reports what is wrong with it
+    return "design-floor" if isinstance(doc, dict) and "cases" in doc and "results" not in doc else "kernel-table"
 
 
 def main(argv=None) -> int:
@@ -169,8 +213,9 @@ def main(argv=None) -> int:
     ap.add_argument("grid", nargs="?",
                     help="a kernel_bench json (default with --write/--check: the one the marker names)")
     ap.add_argument("--against", help="an older grid's json: per-group speed ratios")
-    ap.add_argument("--write", metavar="README", help="replace the README's kernel-table block")
-    ap.add_argument("--check", metavar="README", help="exit 1 when the README's kernel-table block is stale")
+    ap.add_argument("--write", metavar="README", help="rewrite the README's blocks from the json each names (with a "
+                    "json given, the block of its kind names it first)")
+    ap.add_argument("--check", metavar="README", help="exit 1 when a README block is not what its json gives")
     args = ap.parse_args(argv)
     try:
         readme = args.write or args.check
@@ -180,23 +225,33 @@ def main(argv=None) -> int:
                     text = f.read()
             except OSError as e:
                 raise TableError(f"cannot read {readme}: {e.strerror}") from None
-            named, start, end = readme_block(text)
-            path = args.grid or named
-            if not os.path.isabs(path) and not os.path.exists(path):
-                path = os.path.join(os.path.dirname(os.path.abspath(readme)), path)
-            body = render(path)
-            if args.check:
+
+            def resolve(p):
+                if not os.path.isabs(p) and not os.path.exists(p):
+                    return os.path.join(os.path.dirname(os.path.abspath(readme)), p)
+                return p
+
+            if args.grid and args.write:  # the first block of the json's kind now names it
+                kind = _kind(args.grid)
+                m = next((m for m in _BEGIN.finditer(text) if m.group("name") == kind), None)
+                if m is None:
+                    raise TableError(f"no '<!-- {kind}: PATH -->' marker")
+                text = text[:m.start()] + f"<!-- {kind}: {args.grid} -->\n" + text[m.end():]
+            stale = []
+            for name, path, start, end in reversed(readme_blocks(text)):
+                body = render(resolve(args.grid if args.grid and args.check and name == _kind(args.grid) else path),
+                              name)
                 if text[start:end] != body:
-                    print(f"kernel_table: {readme}'s kernel table is not what {named} gives; "
+                    stale.append(f"{name} ({path})")
+                    text = text[:start] + body + text[end:]
+            if args.check:
+                if stale:
+                    print(f"kernel_table: {readme}'s {', '.join(reversed(stale))} block is not what its json gives; "
                           f"run: python benchmarks/kernel_table.py --write {readme}", file=sys.stderr)
                     return 1
                 return 0
-            if args.grid:  # the marker names the grid the block now shows
-                m = _BEGIN.search(text)
-                text = text[:m.start()] + f"<!-- kernel-table: {args.grid} -->\n" + text[m.end():]
-                named, start, end = readme_block(text)
             with open(readme, "w") as f:
-                f.write(text[:start] + body + text[end:])
+                f.write(text)
             return 0
         if not args.grid:
             ap.error("a grid json is needed (or --write / --check README)")

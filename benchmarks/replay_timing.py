@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import grid_wait
+
 #: bytes the flush reads: five times an H100's / H200's 50 / 60 MB L2
 FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -66,19 +68,35 @@ def median_replay_ms(fn, flush, *, warmup: int = 10, reps: int = 60) -> float:
 #: the read floor's launch: warps a program, 32-bit words a program per load, programs an SM.
 #: Within 2% of the best of 72 shapes at every size of the tuning run (module doc)
 FLOOR_WARPS, FLOOR_WORDS, FLOOR_PROGRAMS_PER_SM = 8, 1024, 8
+#: the read on a given number of SMs (``ReadReference.read_launch(programs=)``): one program an
+#: SM, its warps and words a load (as many bytes in flight an SM as the floor's eight programs)
+SM_WARPS, SM_WORDS = 32, 8192
 
 
 @triton.jit
-def _read_kernel(x_ptr, out_ptr, n_words, WORDS: tl.constexpr):
+def _read_kernel(x_ptr, out_ptr, n_words, y_ptr, n_y, z_ptr, n_z, WORDS: tl.constexpr, WAIT: tl.constexpr = False):
     # A grid-stride read of int32 words (contiguous per program, so 16-byte loads), folded with
     # xor into one word a program so the loads cannot be dropped; eight 8-warp programs an SM
-    # keep enough bytes in flight to run at the copy rate.
+    # keep enough bytes in flight to run at the copy rate. Then zeros over the first n_y words
+    # of y and n_z of z (none when 0): in a decode's place, the partials it would store, so
+    # that the combine after it finds them in L2 as it would. WAIT: launched with PDL in a
+    # decode's place, it first waits for the planner as the decode does (kernels/pdl.py)
+    if WAIT:
+        grid_wait()
     pid = tl.program_id(0)
+    step = tl.num_programs(0) * WORDS
     offs = tl.arange(0, WORDS)
     acc = tl.zeros([WORDS], dtype=tl.int32)
-    for base in range(pid * WORDS, n_words, tl.num_programs(0) * WORDS):
+    for base in range(pid * WORDS, n_words, step):
         o = base + offs
         acc ^= tl.load(x_ptr + o, mask=o < n_words, other=0)
+    zero = tl.zeros([WORDS], dtype=tl.int32)
+    for base in range(pid * WORDS, n_y, step):
+        o = base + offs
+        tl.store(y_ptr + o, zero, mask=o < n_y)
+    for base in range(pid * WORDS, n_z, step):
+        o = base + offs
+        tl.store(z_ptr + o, zero, mask=o < n_z)
     tl.store(out_ptr + pid, tl.xor_sum(acc, 0))
 
 
@@ -109,19 +127,40 @@ class ReadReference:
         finally:
             del graph
 
-    def read_floor_ms(self, nbytes: int) -> float:
-        """Median ms of ``_read_kernel`` reading the first ``nbytes`` (rounded down to whole
-        32-bit words; at most ``max_bytes``) in a replayed CUDA graph: the module doc's floor."""
+    def read_launch(self, nbytes: int, *, after_grid: bool = False, programs: int = None, stores: tuple = ()):
+        """A function launching ``_read_kernel`` over the first ``nbytes`` of the buffer (rounded
+        down to whole 32-bit words; at most ``max_bytes``): at the floor's shape, or with
+        ``programs`` one-SM programs (``SM_WARPS`` / ``SM_WORDS``: the read of that many SMs).
+        ``after_grid``: launched with PDL, it waits for the previous grid first, as a decode
+        launched in its place waits for the plan (the device must take PDL:
+        ``kernels.pdl.pdl_on``). ``stores``: up to two contiguous tensors it then fills with
+        zero bytes (sizes multiples of 4 bytes)."""
         n = nbytes // 4
         if n > self.data.numel() // 2:
             raise ValueError(f"read floor of {nbytes} bytes exceeds its buffer ({2 * self.data.numel()} bytes)")
+        if len(stores) > 2:
+            raise ValueError("at most two tensors to store")
         words = self.data[:2 * n].view(torch.int32)
-        programs = FLOOR_PROGRAMS_PER_SM * torch.cuda.get_device_properties(words.device).multi_processor_count
-        sink = torch.empty(programs, dtype=torch.int32, device=words.device)
+        if programs is None:
+            grid = FLOOR_PROGRAMS_PER_SM * torch.cuda.get_device_properties(words.device).multi_processor_count
+            warps, per_load = FLOOR_WARPS, FLOOR_WORDS
+        else:
+            grid, warps, per_load = programs, SM_WARPS, SM_WORDS
+        sink = torch.empty(grid, dtype=torch.int32, device=words.device)
+        targets = [t.view(-1).view(torch.int32) for t in stores] + [sink] * (2 - len(stores))
+        counts = [t.numel() for t in targets[:len(stores)]] + [0] * (2 - len(stores))
+        opts = {"launch_pdl": True} if after_grid else {}
 
         def launch():
-            _read_kernel[(programs,)](words, sink, n, WORDS=FLOOR_WORDS, num_warps=FLOOR_WARPS)
+            _read_kernel[(grid,)](words, sink, n, targets[0], counts[0], targets[1], counts[1], WORDS=per_load,
+                                  WAIT=after_grid, num_warps=warps, **opts)
 
+        return launch
+
+    def read_floor_ms(self, nbytes: int) -> float:
+        """Median ms of ``_read_kernel`` reading the first ``nbytes`` (rounded down to whole
+        32-bit words; at most ``max_bytes``) in a replayed CUDA graph: the module doc's floor."""
+        launch = self.read_launch(nbytes)
         launch()  # compile outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -32,7 +32,8 @@ def test_read_reference_refuses_more_bytes_than_its_buffer(load_benchmark, metho
 def test_read_floor_kernel_reads_every_word(load_benchmark):
     """The floor's kernel (interpreted on CPU) folds every word it is given into its programs'
     outputs, and none past ``n_words``: the xor of the outputs is the xor of the words, over
-    a length that leaves a ragged last block and programs that stride more than once."""
+    a length that leaves a ragged last block and programs that stride more than once. Its
+    stores (a decode's partials, in ``design_floor``) cover exactly the words asked for."""
     import functools
     import operator
 
@@ -45,10 +46,18 @@ def test_read_floor_kernel_reads_every_word(load_benchmark):
     words = torch.randint(-2 ** 31, 2 ** 31 - 1, (1000,), generator=g, dtype=torch.int32).to(dev)
     n = 997  # the last 3 words must not be read
     sink = torch.zeros(3, dtype=torch.int32, device=dev)
-    rt._read_kernel[(3,)](words, sink, n, WORDS=64)
+    y = torch.full((300,), 7, dtype=torch.int32, device=dev)
+    z = torch.full((50,), 7, dtype=torch.int32, device=dev)
+    rt._read_kernel[(3,)](words, sink, n, y, 0, z, 0, WORDS=64)
     want = functools.reduce(operator.xor, words[:n].tolist())
     assert functools.reduce(operator.xor, sink.tolist()) == want
     assert want != functools.reduce(operator.xor, words.tolist())  # the tail would show
+    assert (y == 7).all() and (z == 7).all()  # nothing to store: nothing stored
+    # in a decode's place: zeros over y's first 250 words and z's first 41, nothing past them
+    rt._read_kernel[(3,)](words, sink, n, y, 250, z, 41, WORDS=64)
+    assert functools.reduce(operator.xor, sink.tolist()) == want
+    assert (y[:250] == 0).all() and (y[250:] == 7).all()
+    assert (z[:41] == 0).all() and (z[41:] == 7).all()
 
 
 @pytest.mark.gpu

@@ -19,14 +19,16 @@ def _case(kv="bf16", h=16, s_q=1, B=8, L=16384, t=100.0, x=1.5, bw=0.8, flop=0.1
 
 
 def test_readme_kernel_tables_are_the_json_they_name(load_benchmark):
-    """The README's kernel block is exactly what its marker's json gives: a new grid, or an edited
-    table, fails here until ``kernel_table.py --write README.md`` is run."""
+    """The README's kernel and design-floor blocks are exactly what their markers' json gives: a
+    new run, or an edited table, fails here until ``kernel_table.py --write README.md`` is run."""
     kt = load_benchmark("kernel_table")
     with open(README) as f:
         text = f.read()
-    path, start, end = kt.readme_block(text)
-    assert os.path.exists(os.path.join(ROOT, path)), path
-    assert text[start:end] == kt.render(os.path.join(ROOT, path))
+    blocks = kt.readme_blocks(text)
+    assert {name for name, *_ in blocks} == {"kernel-table", "design-floor"}
+    for name, path, start, end in blocks:
+        assert os.path.exists(os.path.join(ROOT, path)), path
+        assert text[start:end] == kt.render(os.path.join(ROOT, path), name)
     assert kt.main(["--check", README]) == 0
 
 
@@ -79,6 +81,35 @@ def test_check_flags_a_stale_block_and_write_mends_it(load_benchmark, tmp_path):
     other.write_text(json.dumps({"gpu": "H", "results": [_case(t=50.0)]}))
     assert kt.main([str(other), "--write", str(readme)]) == 0
     assert f"<!-- kernel-table: {other} -->" in readme.read_text() and kt.main(["--check", str(readme)]) == 0
+
+
+def test_design_floor_blocks_are_checked_and_written_beside_the_kernel_table(load_benchmark, tmp_path):
+    """A ``design-floor`` block is rendered from its run by ``design_floor.table``; ``--check``
+    flags it when stale, ``--write`` mends it, and a run named on the command line moves that
+    block's marker and no other."""
+    kt = load_benchmark("kernel_table")
+    df = load_benchmark("design_floor")
+    grid = tmp_path / "g.json"
+    grid.write_text(json.dumps({"gpu": "G", "results": [_case()]}))
+    run = {"gpu": "G", "cases": [{"case": ["fp8", 16, 1, 32, 1024], "shipped_us": 25.0, "design_floor_us": 18.0,
+                                  "design_floor_any_kernels_us": 14.0, "target_limits_us": {"x_roofline": 15.0}}]}
+    floor = tmp_path / "f.json"
+    floor.write_text(json.dumps(run))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"<!-- kernel-table: {grid} -->\n<!-- /kernel-table -->\nmid\n"
+                      f"<!-- design-floor: {floor} -->\nold\n<!-- /design-floor -->\nend\n")
+    assert kt.main(["--check", str(readme)]) == 1
+    assert kt.main(["--write", str(readme)]) == 0
+    text = readme.read_text()
+    assert df.table(run) in text and kt.render(str(grid)) in text and text.endswith("<!-- /design-floor -->\nend\n")
+    assert kt.main(["--check", str(readme)]) == 0
+    run["cases"][0]["shipped_us"] = 24.0
+    other = tmp_path / "f2.json"
+    other.write_text(json.dumps(run))
+    assert kt.main([str(other), "--write", str(readme)]) == 0
+    text = readme.read_text()
+    assert f"<!-- design-floor: {other} -->" in text and f"<!-- kernel-table: {grid} -->" in text
+    assert "| 24.0 µs |" in text and kt.main(["--check", str(readme)]) == 0
 
 
 @pytest.mark.parametrize("content, message", [
