@@ -64,9 +64,12 @@ Not kept: 32 query rows (FP8 h=16 s_q=2, in place of ``decode_wgmma_ws64``'s key
 consumer): correct, but 0.75-0.96x below 512k tokens, 1.03-1.11x above. That variant spills
 260 bytes, with its two group operands converted one after the other. Rechecked on the current
 code (one operand at a time: 40 bytes of spills), 0.82-0.98x and 1.04-1.11x
-(``h100-2026-11-27-rs32-recheck.json``). Four consumer warpgroups of one group each do not fit:
-20 warps leave at most 96 registers a thread at launch, and with 104-120 a consumer spills over
-1000 bytes (same json). Where the 32-row block's time goes at parts of few tiles
+(``h100-2026-11-27-rs32-recheck.json``); against the keys-on-M consumer as it is since kernel-30,
+0.78-0.99x everywhere. Its dots fed in k chunks (32 columns for ``S^T``, 16 keys for ``acc^T``),
+each chunk converted while the previous chunk's wgmma runs: 0.94-0.98x the whole-operand block
+(``h100-2026-11-27-rs32-chunked-dots.json``). Four consumer warpgroups of one group each do
+not fit: 20 warps leave at most 96 registers a thread at launch, and with 104-120 a consumer
+spills over 1000 bytes (``-rs32-recheck.json``). Where the 32-row block's time goes at parts of few tiles
 (``benchmarks/kernel_timeline.py``'s copy of this kernel, ``h100-2026-11-27-rs32-timeline.json``):
 against the 16-row block at s_q=1, its first warpgroup stores q 1-2.8 us later, its second tile
 comes 4.1-4.4 us after the first (1.5-1.8), later tiles every 2.76 us (1.76-1.84), and its first
