@@ -55,7 +55,9 @@ H100, full graph replays (``h100-2026-11-27-combine-wide-trips.json``): B=1, L=1
 (the combine 12.4-13.7 -> 7.0-7.8 us), B=1 L=4k s_q=2 1.14x, h=16 B=8 L 4k-16k 1.02-1.06x
 (5.1-5.4 -> 3.5-4.1 us), elsewhere 0.995-1.008x. Loading sixteen slots whatever the request's
 pieces (no four-piece tail loop) cost h=16 s_q=1 B=32 0.955-0.983x (same json,
-``always_sixteen``).
+``always_sixteen``). Nor is a trip the cost at B=32 (about four pieces a request, 2.8-4.1 us of
+combine): one trip of eight for five to eight remaining pieces ran 0.994-1.003x, two warps a
+program 0.952-1.008x (``h100-2026-11-27-combine-tail.json``).
 """
 from __future__ import annotations
 
