@@ -38,7 +38,6 @@ BIG_BATCH = 32
 #: README blocks this tool writes, by marker name: ``<!-- NAME: PATH -->`` ... ``<!-- /NAME -->``
 #: (``kernel-table``: a kernel_bench grid; ``design-floor``: a design_floor.py run)
 _BEGIN = re.compile(r"<!-- (?P<name>kernel-table|design-floor): (?P<path>\S+) -->\n")
-_END = "<!-- /kernel-table -->"
 
 
 class TableError(ValueError):
@@ -188,14 +187,6 @@ def readme_blocks(text: str) -> list:
     if not blocks:
         raise TableError("no '<!-- kernel-table: PATH -->' marker")
     return blocks
-
-
-def readme_block(text: str):
-    """``(path, start, end)`` of the README's first kernel-table block (``readme_blocks``)."""
-    for name, path, start, end in readme_blocks(text):
-        if name == "kernel-table":
-            return path, start, end
-    raise TableError("no '<!-- kernel-table: PATH -->' marker")
 
 
 def _kind(path: str) -> str:
