@@ -108,6 +108,12 @@ def misses_of(grid_path: str) -> list:
     return [(r["kv"], r["h"], r["s_q"], r["B"], r["L"]) for r in doc["results"] if kernel_table.misses_target(r)]
 
 
+def charged_floor(floor_us: float, read_us: float, flops_us: float) -> float:
+    """A floor graph's time (us) with its read kernel's duration ``read_us`` replaced by the larger
+    of it and the dots' time at the matmul rate ``flops_us`` (module doc)."""
+    return floor_us - read_us + max(read_us, flops_us)
+
+
 def floor_record(case: tuple, times_us: dict, kernels_us: dict, io_bytes: float, flops: float, copy_tbps: float,
                  mm_tflops: float, three_read_us: float = None) -> dict:
     """One case's record from its graphs' times (``times_us``: mode -> us), the floor graph's
@@ -120,8 +126,7 @@ def floor_record(case: tuple, times_us: dict, kernels_us: dict, io_bytes: float,
     kv, h, s_q, batch, length = case
     roof_us = kb.roofline_ms(io_bytes, flops, copy_tbps, mm_tflops) * 1e3
     flops_us = flops / (mm_tflops * 1e12) * 1e6
-    read_us = kernels_us["read"]
-    design = times_us["floor"] - read_us + max(read_us, flops_us)
+    design = charged_floor(times_us["floor"], kernels_us["read"], flops_us)
     limits = kernel_table.target_limits_us(h, batch, length, io_bytes, roof_us, copy_tbps)
     rec = {"case": list(case), **{m + "_us": v for m, v in times_us.items()},
            "floor_kernels_us": kernels_us, "io_bytes": io_bytes, "flops": flops, "roofline_us": roof_us,
@@ -130,7 +135,7 @@ def floor_record(case: tuple, times_us: dict, kernels_us: dict, io_bytes: float,
            "target_limits_us": limits,
            "reachable": {t: design <= lim for t, lim in limits.items()}}
     if three_read_us is not None:
-        any_k = times_us["three_kernels"] - three_read_us + max(three_read_us, flops_us)
+        any_k = charged_floor(times_us["three_kernels"], three_read_us, flops_us)
         rec["design_floor_any_kernels_us"] = any_k
         rec["reachable_any_kernels"] = {t: any_k <= lim for t, lim in limits.items()}
     return rec
@@ -235,7 +240,7 @@ def run_case(case, pool, reader, flush, gen, reps: int, rates: tuple, parts=(), 
             g = _floor_graphs(cp, reader, kv_bytes, programs if programs < sms else None, no_combine=False)["floor"]
             t = _time({"floor": g}, flush, reps)["floor"][0]
             k = _kernel_medians(g, flush.clean, reps, FLOOR_ROLES)
-            design = t - k["read"] + max(k["read"], rec["flops_at_matmul_rate_us"])
+            design = charged_floor(t, k["read"], rec["flops_at_matmul_rate_us"])
             best = min(best, design)
             rec["by_parts"].append({"num_parts": n, "programs": programs, "floor_us": t, "read_kernel_us": k["read"],
                                     "combine_kernel_us": k.get("combine"), "design_floor_us": design})
@@ -297,6 +302,12 @@ def table(doc: dict) -> str:
     return head + "\n".join(lines + rows) + "\n"
 
 
+def _verdict(reachable: dict, limits: dict = None) -> str:
+    # "target within / OUT OF REACH" per target, with its limit where given (progress lines)
+    return ", ".join(f"{t} {'within' if ok else 'OUT OF REACH'}" + (f" ({limits[t]:.1f} us)" if limits else "")
+                     for t, ok in reachable.items())
+
+
 def main(argv=None) -> int:
     """The command line (``--help``); returns the exit status (2 on bad input or without a CUDA GPU)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -335,19 +346,17 @@ def main(argv=None) -> int:
         print("design_floor needs a CUDA GPU", file=sys.stderr)
         return 2
     import kernel_bench as kb
-    from replay_timing import L2Flush, ReadReference
+    from fixed_cost_bench import _graph_of
+    from replay_timing import L2Flush, ReadReference, median_replay_ms
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)  # the pages each case takes
     pool = kb.CachePool(ModelSpec(), max(b * length for *_, b, length in cases) + 4096)
     flush = L2Flush()
-    reader = ReadReference(max(b * length * kb.BYTES_PER_TOKEN[kv] for kv, _, _, b, length in cases) + 64, flush)
+    most = max(b * length * kb.BYTES_PER_TOKEN[kv] for kv, _, _, b, length in cases)
+    reader = ReadReference(most + 64, flush)
     rates = (kb.measure_copy_tbps(), kb.measure_matmul_tflops())
     # the two read shapes on every SM, over the largest case's bytes: how near the one-SM
     # programs of a plan's read (--parts) come to the floor's
-    from replay_timing import median_replay_ms
-
-    from fixed_cost_bench import _graph_of
-    most = max(b * length * kb.BYTES_PER_TOKEN[kv] for kv, _, _, b, length in cases)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = {"floor_shape": _graph_of(reader.read_launch(most)),
               "one_program_per_sm": _graph_of(reader.read_launch(most, programs=sms))}
@@ -362,15 +371,11 @@ def main(argv=None) -> int:
     for i, case in enumerate(cases):
         rec = run_case(case, pool, reader, flush, gen, a.reps, rates, parts)
         res["cases"].append(rec)
-        verdict = ", ".join(f"{t} {'within' if ok else 'OUT OF REACH'} ({rec['target_limits_us'][t]:.1f} us)"
-                            for t, ok in rec["reachable"].items())
+        verdict = _verdict(rec["reachable"], rec["target_limits_us"])
         verdict += (f"; any kernels: {rec['design_floor_any_kernels_us']:.1f} us, "
-                    + ", ".join(f"{t} {'within' if ok else 'OUT OF REACH'}"
-                                for t, ok in rec["reachable_any_kernels"].items()))
+                    + _verdict(rec["reachable_any_kernels"]))
         if "design_floor_any_plan_us" in rec:
-            verdict += (f"; any plan: {rec['design_floor_any_plan_us']:.1f} us, "
-                        + ", ".join(f"{t} {'within' if ok else 'OUT OF REACH'}"
-                                    for t, ok in rec["reachable_any_plan"].items()))
+            verdict += f"; any plan: {rec['design_floor_any_plan_us']:.1f} us, " + _verdict(rec["reachable_any_plan"])
         print(f"[{i + 1}/{len(cases)}] {','.join(map(str, case)):>22}: shipped {rec['shipped_us']:.1f}, floor "
               f"{rec['floor_us']:.1f}, design floor {rec['design_floor_us']:.1f} us; {verdict}", flush=True)
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

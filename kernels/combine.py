@@ -79,7 +79,7 @@ COMBINE_CHUNK = 4
 #: would leave SMs idle narrows its blocks to
 NARROW_COLUMNS = 32
 #: pieces a narrow block's trip loads while that many remain (module doc, "Wide trips"); the
-#: kernel's wide trip is written for sixteen
+#: kernel's wide trip is four ``_load4`` groups, so this is 16 (a static assertion holds it)
 WIDE_TRIP = 16
 
 
@@ -122,7 +122,7 @@ def _fold4(m, l_sum, acc, l0, l1, l2, l3, p0, p1, p2, p3):
 @triton.jit
 def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, partial_cap, SQ, H,
                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
-                    LOADS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
+                    LOADS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False, WIDE: tl.constexpr = 16):
     if PDL:  # before any read of the plan or the partials (kernels/pdl.py)
         grid_wait()
     b = tl.program_id(0).to(tl.int64)
@@ -172,8 +172,9 @@ def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, par
         # folded, so their loads are in flight together (module doc, "Loads first"); sixteen
         # a trip while sixteen remain, then four (module doc, "Wide trips")
         prow = offs_m[:, None] * RANK + offs_r[None, :]
-        j_wide = n - n % 16
-        for j0 in range(0, j_wide, 16):
+        tl.static_assert(WIDE == 16)  # four groups of four below
+        j_wide = n - n % WIDE
+        for j0 in range(0, j_wide, WIDE):
             r0 = (first + j0).to(tl.int64)
             jv = offs_m * 0 + j0
             l0, l1, l2, l3, p0, p1, p2, p3 = _load4(po_ptr, plse_ptr, r0, jv, n, row_ok, offs_m, prow, ROWS, RANK)
@@ -247,5 +248,5 @@ def launch_combine(partial_o, partial_lse, num_splits, split_offsets, out, lse, 
     pdl = pdl_on(out)
     _combine_kernel[grid](partial_o, partial_lse, num_splits, split_offsets, out, lse, partial_o.shape[0], s_q, h,
                           RANK=rank, BLOCK_M=block_m, BLOCK_R=rank // col_blocks, CHUNK=chunk,
-                          LOADS_FIRST=rank // col_blocks <= NARROW_COLUMNS and chunk == 4, PDL=pdl, num_warps=4,
-                          **launch_options(pdl))
+                          LOADS_FIRST=rank // col_blocks <= NARROW_COLUMNS and chunk == 4, PDL=pdl, WIDE=WIDE_TRIP,
+                          num_warps=4, **launch_options(pdl))

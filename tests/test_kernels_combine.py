@@ -78,7 +78,8 @@ def test_combine_by_kind_of_request(dtype, s_q, h, col_blocks):
 
 
 
-@pytest.mark.parametrize("col_blocks,trip", [(1, "chunk"), (2, "chunk"), (4, "chunk"), (1, "wide"), (2, "wide")])
+@pytest.mark.parametrize("col_blocks,trip", [(1, "chunk"), (2, "chunk"), (4, "chunk"), (1, "wide"), (2, "wide"),
+                                             (4, "wide")])
 def test_combine_many_pieces_over_several_trips(col_blocks, trip):
     """Requests of more pieces than one merge trip holds (``combine.COMBINE_CHUNK``, or the
     narrow blocks' ``combine.WIDE_TRIP``): a whole number of trips, one and a piece, and a last
