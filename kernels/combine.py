@@ -57,7 +57,9 @@ H100, full graph replays (``h100-2026-11-27-combine-wide-trips.json``): B=1, L=1
 pieces (no four-piece tail loop) cost h=16 s_q=1 B=32 0.955-0.983x (same json,
 ``always_sixteen``). Nor is a trip the cost at B=32 (about four pieces a request, 2.8-4.1 us of
 combine): one trip of eight for five to eight remaining pieces ran 0.994-1.003x, two warps a
-program 0.952-1.008x (``h100-2026-11-27-combine-tail.json``).
+program 0.952-1.008x (``h100-2026-11-27-combine-tail.json``), nor its chain of plan reads: loading
+a request's ``split_offsets`` beside its ``num_splits``, one dependent read fewer, ran 0.991-1.004x
+(``h100-2026-11-27-combine-first-early.json``).
 """
 from __future__ import annotations
 

@@ -127,7 +127,13 @@ producer's warps, the rope dot's separate wait or accumulator and q converted th
 cost more than the conversion saved. Nor is it the copy latency two buffers leave in the
 producer's path: 32-key tiles in three or four buffers (the producer up to three tiles ahead, in
 the same shared memory) ran 0.68-0.95x over FP8 h=128 (``h100-2026-11-27-ws64-32-key-tiles.json``),
-twice the tiles' hand-overs and softmax steps costing more than the deeper ring hides.
+twice the tiles' hand-overs and softmax steps costing more than the deeper ring hides. Nor is it
+the copy mechanism: the producer issuing each tile as TMA boxes into the same staging slots
+(keys past ``seq_len`` zeroed in its conversion) was bit for bit the same and ran 0.89-0.96x with
+one barrier a tile, 0.97-1.01x with one a scale group (``h100-2026-11-27-ws64-tma.json``). And the
+consumer is not what this producer waits on: ``decode_wgmma_pp``'s two ping-pong warpgroups fed
+by it at h=128 (each computing the scores of alternate tiles over all 64 keys) ran 0.89-0.997x
+this kernel (H200, ``h200-2026-11-27-ws64-pingpong.json``).
 
 **Staged stores.** A program whose part holds several requests pays a lot for each request
 it moves on to: at h=128 s_q=1 with 32 tiles a part, B=128 L=1k (two whole requests a part,
