@@ -32,9 +32,9 @@ over nine cases (h=16 and 128, B 1-32, L 1k-16k); the decode also releasing earl
 0.96-1.05x, neither releasing 1.00-1.02x. Rechecked over every Gluon route on an H200
 (``h200-2026-11-27-decode-release.json``): the Gluon decodes releasing right after their wait ran
 1.000-1.015x at FP8 h=128 but 0.83-1.003x at h=16 x 2 (FP8 B=1, L=16k 27.9 -> 33.6 us). The CPU
-interpreter knows no ``griddepcontrol``: ``pdl_on`` is False there, on CUDA devices before compute capability 9.0, and with a CUDA
-runtime before 12.3 (the first whose graphs describe programmatic dependencies natively; a
-capture is where these launches run).
+interpreter knows no ``griddepcontrol``: ``pdl_on`` is False there, on CUDA devices before
+compute capability 9.0, and with a CUDA runtime before 12.3 (the first whose graphs describe
+programmatic dependencies natively; a capture is where these launches run).
 """
 from __future__ import annotations
 
