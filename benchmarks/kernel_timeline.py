@@ -143,11 +143,9 @@ _EDITS = {
         # both consumers' turn to a tile
         ("after", "acc = _w64_take_buffer(acc, it, tile, t0, ready, empty, NB)",
          _timer(3, "if it == 0:") + _timer(4, "if it == 1:") + ["if it < 16:", "    _ts(ts_ptr, 16 + it)"], 2),
-        ("before", "store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,",
-         _timer(5), 1),
-        # (the call's second line: the statement's indentation is the first line's)
-        ("after", "plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, q_lat_s, Q_L, STAGE_OUT)", _timer(6), 1,
-         16),
+        ("before", "if STAGE_PART and nsplit > 1 and b == b_last:", _timer(5), 1),
+        # (the last line of the stores' if / else: the statement's indentation is the if's)
+        ("after", "                                      STAGE_OUT)", _timer(6), 1, 16),
     ],
     "rs": [
         ("sub", "po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale,",

@@ -167,6 +167,24 @@ padding rows unmasked (4 fail: h=20 x 4, the rows past the request spill into th
 columns read back reversed (20 fail); the barrier between the buffer's store and its read-back
 dropped is a race no case observed on the H100.
 
+A split piece's fp32 partial (128 KiB, twice q's buffer) is staged too when it is the part's last
+piece: the producer then has no tile left, so the two K buffers (128 KiB together) are free once the
+last PV dot is done. ``gluon_parts.store_part_staged`` writes the result into them as fp32 ``[64,
+512]`` (16-byte units swizzled by row, so the accumulator layout's rows do not share banks) and
+reads it back a column quarter at a time in 16-byte vectors along rows. Against the direct stores,
+in one process on an H100 (``h100-2026-11-27-ws64-staged-partials.json``, FP8 h=128, bit for bit
+the same), with the path compiled into every launch:
+
+- 1.003-1.035x at s_q=1, B 8-32 (B=32 L=1k 50.3 -> 48.9 us);
+- 1.000-1.033x at s_q=2, B=8;
+- 0.989-1.005x at B=128, and at s_q=2 B=32, where parts hold whole requests. The path is taken
+  there by fewer programs, and the compiled code is slower.
+
+So it is compiled in only for launches of at least two parts a request of the padded batch
+(``W64_STAGE_PART_PARTS_PER_REQUEST``): at h=128's 66 / 33 parts, s_q=1 up to B=33 and s_q=2 up to
+B=16. With every column quarter stored at the first quarter's address, the 20 staged cases of
+``test_decode_wgmma_ws64_matches_reference_gpu`` fail and the 20 direct ones pass (same json).
+
 Taken by ``decode_split.launch_decode_split`` when ``decode_wgmma.wgmma_plan`` admits a
 64-row block of an FP8 cache and the ``WGMMA_WS64`` switch is on (``decode_wgmma.ws64_taken``);
 ``config.default_config`` gives FP8 64-row blocks of 64-key tiles with 8 warps on Hopper at
@@ -187,11 +205,12 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 
 from .gluon_parts import (key_rows, part_bounds, program_rows, request_span, ring_barriers, row_copy_layout,
                           rows_tile_step, softmax_keys_step, softmax_result, start_request_rows, store_keys_lse,
-                          store_keys_part, store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
+                          store_keys_part, store_part_staged, store_rows_result, tile_page, wait_prior_grid,
+                          wgmma_layout)
 from .pdl import pdl_on
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS", "W64_KEYS_ROWS",
-           "W64_STAGE_OUT_PARTS_PER_REQUEST"]
+           "W64_STAGE_OUT_PARTS_PER_REQUEST", "W64_STAGE_PART_PARTS_PER_REQUEST"]
 
 #: tile buffers handed between the two partitions (two fill the shared memory)
 W64_BUFS = 2
@@ -216,6 +235,11 @@ W64_KEYS_PRODUCER_REGS = 72
 #: parts hold whole requests: 1.08-1.11x; with it compiled in, launches whose requests are all split ran
 #: 0.97-0.99x); 0: never
 W64_STAGE_OUT_PARTS_PER_REQUEST = 2
+#: the 64-row consumer stores the fp32 partial of its part's last request through the two free K
+#: buffers (module doc, "Staged stores") in launches of at least this many parts a request of the
+#: padded batch (where a part's last piece is a split one: 1.003-1.035x; compiled into launches of
+#: fewer parts a request, 0.989-0.998x); 0: every 64-row launch, None: never
+W64_STAGE_PART_PARTS_PER_REQUEST = 2
 #: the register cap with a one-warpgroup keys-on-M consumer: (4 + 8) warps x 32 threads x this <= 64K
 W64_KEYS_MAXNREG = 168
 
@@ -345,7 +369,7 @@ if gluon is not None:
     def _w64_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
                       plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s, k_rope_s, ready, empty,
                       RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      NB: gl.constexpr, STAGE_OUT: gl.constexpr):
+                      NB: gl.constexpr, STAGE_OUT: gl.constexpr, STAGE_PART: gl.constexpr = False):
         # [4, 2]: the four warps of a warpgroup split the 64 rows, the two warpgroups the N axis
         S_L: gl.constexpr = wgmma_layout([4, 2], BLOCK_N // 2)
         ACC_L: gl.constexpr = wgmma_layout([4, 2], RANK // 2)
@@ -354,6 +378,10 @@ if gluon is not None:
         COL_A: gl.constexpr = gl.SliceLayout(0, ACC_L)
         Q_L: gl.constexpr = row_copy_layout(8, 32, 8)
         QR_L: gl.constexpr = row_copy_layout(8, 8, 8)
+        # a staged fp32 partial: rows spread over the banks (16-byte units XOR the row), read back
+        # in 16-byte vectors along rows
+        PART_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+        PART_L: gl.constexpr = row_copy_layout(4, 32, 8)
 
         ROWS = SQ * H
         b_first, t_first, j_first, b_end, t_end, b_last, row0, ctx_w, m_s, n_s = program_rows(
@@ -384,9 +412,17 @@ if gluon is not None:
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index((it + NB - 1) % NB))
 
-                # STAGE_OUT: out through q's latent buffer, free since the last tile's barrier ("Staged stores")
-                store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr, po_ptr,
-                                  plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, q_lat_s, Q_L, STAGE_OUT)
+                if STAGE_PART and nsplit > 1 and b == b_last:
+                    # the part's last piece: the producer has no tile left, so both K buffers are
+                    # free for the fp32 partial ("Staged stores")
+                    store_part_staged(acc, m_i, l_i, row0, p_row, partial_cap, po_ptr, plse_ptr, ROWS,
+                                      k_lat_s._reinterpret(gl.float32, [BLOCK_M, RANK], PART_SH), ROW_S, ROW_A,
+                                      PART_L)
+                else:
+                    # STAGE_OUT: out through q's latent buffer, free since the last tile's barrier ("Staged stores")
+                    store_rows_result(acc, m_i, l_i, row0, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr, po_ptr,
+                                      plse_ptr, ROWS, SQ, H, BLOCK_M, RANK, ROW_S, ROW_A, COL_A, q_lat_s, Q_L,
+                                      STAGE_OUT)
 
     @gluon.jit
     def _w64_keys_consumer(q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr,
@@ -457,7 +493,8 @@ if gluon is not None:
                             PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
                             TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NB: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            PDL: gl.constexpr, KEYS: gl.constexpr, STAGE_OUT: gl.constexpr):
+                            PDL: gl.constexpr, KEYS: gl.constexpr, STAGE_OUT: gl.constexpr,
+                            STAGE_PART: gl.constexpr = False):
         # BLOCK_M: a program's query rows, 64, or 32 with the keys-on-M consumer (KEYS); the launch's
         # warps: the consumer's, 8 (two warpgroups) or, keys-on-M, 4
         gl.static_assert(BLOCK_M == (32 if KEYS else 64))
@@ -492,7 +529,7 @@ if gluon is not None:
             gl.warp_specialize([
                 (_w64_consumer, (q_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr,
                                  po_ptr, plse_ptr, partial_cap, qk_scale, SQ, H, q_lat_s, q_rope_s, p_s, k_lat_s,
-                                 k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB, STAGE_OUT)),
+                                 k_rope_s, ready, empty, RANK, ROPE, BLOCK_M, BLOCK_N, NB, STAGE_OUT, STAGE_PART)),
                 (_w64_producer, (kv_ptr, bt_ptr, seq_ptr, part_ptr, nsplit_ptr, off_ptr, bt_stride, k_lat_s, k_rope_s,
                                  sc_s, ready, empty, PAGE, RANK, ROPE, GROUP, TOKEN_STRIDE, BLOCK_N, NB, PDL)),
             ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -522,5 +559,7 @@ def launch_decode_wgmma_ws64(q, kv_cache, block_table, cache_seqlens, ctx_lens, 
         PRODUCER_REGS=W64_KEYS_PRODUCER_REGS if one_wg else W64_PRODUCER_REGS, PDL=pdl, KEYS=keys,
         # (q's latent buffer is what out goes through: of out's dtype)
         STAGE_OUT=not keys and out.dtype == q.dtype and num_parts <= W64_STAGE_OUT_PARTS_PER_REQUEST * B,
+        STAGE_PART=(not keys and W64_BUFS == 2 and block_m == block_n and W64_STAGE_PART_PARTS_PER_REQUEST is not None
+                    and num_parts >= W64_STAGE_PART_PARTS_PER_REQUEST * B),
         num_warps=W64_KEYS_WARPS if keys else 8, maxnreg=W64_KEYS_MAXNREG if one_wg else W64_MAXNREG,
         launch_pdl=pdl)

@@ -320,6 +320,34 @@ if gluon is not None:
                  mask=(m_o < ROWS)[:, None] & (c_o[None, :] < RANK))
 
     @gluon.jit
+    def store_part_staged(acc, m_i, l_i, row0, p_row, partial_cap, po_ptr, plse_ptr, ROWS, stage, ROW_S: gl.constexpr,
+                          ROW_A: gl.constexpr, PART_L: gl.constexpr):
+        """A split request's fp32 partial through shared memory: ``acc`` (fp32 ``[R, RANK]``, a 64-row
+        kernel's whole accumulator in its wgmma layout, rows ``row0 + i``) divided by its row sums
+        is written into ``stage`` (fp32 ``[R, RANK]``, a free buffer) and read back a quarter of the
+        columns at a time in ``PART_L`` (16-byte vectors along rows), so that partial row ``p_row``
+        (``[cap, ROWS, RANK]`` from ``po_ptr``; log2 lse ``[cap, ROWS]`` from ``plse_ptr``) is
+        written in whole row segments while ``p_row < partial_cap``. ``m_i`` / ``l_i``: the rows'
+        log2 max and sum (``ROW_S``). The caller's warps are past a barrier after their last read
+        of ``stage``."""
+        l_safe, lse2 = softmax_result(m_i, l_i)
+        stage.store(acc / gl.convert_layout(l_safe, ROW_A)[:, None])
+        gl.thread_barrier()
+        R: gl.constexpr = stage.shape[0]
+        RANK: gl.constexpr = stage.shape[1]
+        Q: gl.constexpr = RANK // 4
+        if p_row < partial_cap:
+            p64 = p_row.to(gl.int64)
+            m_o = row0 + gl.arange(0, R, layout=gl.SliceLayout(1, PART_L))
+            c_o = gl.arange(0, Q, layout=gl.SliceLayout(0, PART_L))
+            at = po_ptr + p64 * (ROWS * RANK) + m_o.to(gl.int64)[:, None] * RANK + c_o[None, :]
+            ok = (m_o < ROWS)[:, None] & (c_o[None, :] < Q)
+            for k in gl.static_range(4):
+                gl.store(at + k * Q, stage.slice(k * Q, Q, dim=1).load(PART_L), mask=ok)
+            m_s = row0 + gl.arange(0, R, layout=ROW_S)
+            gl.store(plse_ptr + p64 * ROWS + m_s, lse2, mask=m_s < ROWS)
+
+    @gluon.jit
     def store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H):
         """A request's log2-sum-exp ``lse2`` (``[R]``, rows ``r``): natural log into ``lse``
         (``[B, h, s_q]``) when unsplit (``nsplit == 1``), else into its partial row ``p_row``

@@ -510,12 +510,15 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     over many parts, empty requests (both partitions must skip them alike), NaN in every stale
     slot and padding query token; ``big_q`` and ``parts`` as in the keys-on-M test (3 parts:
     the buffers' phases wrap many times, the producer crosses requests). ``staged``: unsplit
-    requests' ``out`` goes through q's shared buffer (``W64_STAGE_OUT_PARTS_PER_REQUEST``, forced
-    here; by default only launches of few parts a request), or straight from the accumulator;
-    the launch says which."""
+    requests' ``out`` goes through q's shared buffer (``W64_STAGE_OUT_PARTS_PER_REQUEST``) and a
+    part's last piece, when split, its fp32 partial through the two K buffers
+    (``W64_STAGE_PART_PARTS_PER_REQUEST``; the 9000-key request ends a piece in most parts), both
+    forced here (by default each only in launches of few / many parts a request), or both
+    straight from the accumulator; the launch says which."""
     import kernels.decode_wgmma_ws64 as dws64
     monkeypatch.setattr(dws64, "W64_STAGE_OUT_PARTS_PER_REQUEST", 10**6 if staged else 0)
-    launches = spy_launches(monkeypatch, dws64, "_decode_ws64_kernel", "STAGE_OUT")
+    monkeypatch.setattr(dws64, "W64_STAGE_PART_PARTS_PER_REQUEST", 0 if staged else None)
+    launches = spy_launches(monkeypatch, dws64, "_decode_ws64_kernel", "STAGE_OUT", "STAGE_PART")
     calls = _spy_wgmma(monkeypatch, "launch_decode_wgmma_ws64")
     spec = ModelSpec(num_heads=heads)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=64, block_n=64, num_warps=8,
@@ -523,7 +526,7 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     hopper = torch.cuda.get_device_capability()[0] == 9
     _check_fp8_case(spec, cfg, s_q, page, big_q, parts, [9000, 1, 0, 63, 64, 65, 127, 128, 129, 0, 257, 2000], 41)
     assert len(calls) == (1 if hopper else 0)
-    assert launches == ([(staged, )] if hopper else [])
+    assert launches == ([(staged, staged)] if hopper else [])
     assert dw.UNAVAILABLE is None, dw.UNAVAILABLE
 
 
