@@ -43,6 +43,13 @@ past the request's: page 0's rows) reach shared memory. The scores of such keys 
 the softmax (P = 0), but 0 times a NaN is a NaN: in a request's last, partial tile the consumer
 zeroes those keys' latent rows before the dots.
 
+Not kept: a 32-row block in two consumer warpgroups of 16 rows each, both reading every stage
+(zeroing the stale rows half each, meeting at an mbarrier before the dots): bit for bit the same,
+0.81-0.99x the one 32-row warpgroup over B 1-128, L 1k-16k (H200,
+``benchmarks/results/h200-2026-11-27-kt-row-warpgroups.json``): the decode 2-4 us longer at a
+few tiles a part, 4% at 2M tokens (where the second warpgroup's reads double the dots'
+shared-memory traffic).
+
 Taken by ``decode_split.launch_decode_split`` for 16-bit launches of ``decode_wgmma.wgmma_plan``'s
 few-row shape (16- or 32-row blocks of 64 keys, 4 warps) where ``decode_wgmma.kt_plan`` admits
 the cache (TMA's constraints; switch ``WGMMA_KT``); a build failure falls back to the Triton
