@@ -86,7 +86,10 @@ process on an H100 (``h100-2026-11-27-pp-staged-out.json``, bf16 h=128, bit for 
 B=128 L=1k 1.06x at s_q=1 (119.7 -> 112.5 us) and 1.04x at s_q=2, B=32 L=1k s_q=2 1.09x (68.1 ->
 62.7), 0.99x at s_q=2 B=32 L 4k-16k (requests mostly split, the staged path compiled in), level
 elsewhere. A mutant with B staging in A's buffer fails 24 of the 24 staged cases of
-``test_decode_wgmma_pp_matches_reference_gpu`` (``-pp-staged-out-mutants.json``).
+``test_decode_wgmma_pp_matches_reference_gpu`` (``-pp-staged-out-mutants.json``). Split requests'
+fp32 partials through each warpgroup's whole buffer (as ``decode_wgmma_ws64``'s) were correct but
+ran 0.967-1.019x staging every split piece and 0.971-1.018x staging only a part's last, losing 2-3%
+at L 4k-16k (H200, ``h200-2026-11-27-pp-staged-partials.json``): not kept.
 
 Taken by ``decode_split.launch_decode_split`` for the 16-bit 64-row launches that
 ``decode_wgmma.wgmma_plan`` admits and ``decode_wgmma.pp_taken`` gives it (two or more row
