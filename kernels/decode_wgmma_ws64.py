@@ -321,6 +321,12 @@ if gluon is not None:
         DT: gl.constexpr = gl.bfloat16
         # 16-byte vectors along a row: 16 codes, 8 rope values; a key's NG scale words
         CODE_L: gl.constexpr = row_copy_layout(16, 8, W)
+        # the dequantisation's codes, 8 a thread: a thread's bf16 values are one 16-byte store, and
+        # the 16 threads of a row write its 16 chunks of 16 bytes, which the K tile's swizzle puts in
+        # distinct banks. With CODE_L's 16 a thread (two stores, 8 threads a row) each store hit half
+        # the banks: twice the ideal shared wavefronts (Nsight Compute); 8 ran 0.998-1.045x
+        # (h200-2026-11-27-ws64-dequant-vec.json)
+        DEQ_L: gl.constexpr = row_copy_layout(8, GROUP // 8, W)
         ROPE_L: gl.constexpr = row_copy_layout(8, 8, W)
         SC_L: gl.constexpr = row_copy_layout(NG, 8, W)
         # the K tiles' bytes as uint8 [NB * 2 * NG, BLOCK_N, GROUP]: [(2 s + 1) NG + g] group g of
@@ -345,7 +351,7 @@ if gluon is not None:
                 _w64_copy(stage_s, stage, k_rope_s.index(s), sc_s.index(s), kv_ptr, bt_row, tile, seq_len, pg, PAGE,
                           RANK, ROPE, NG, GROUP, TOKEN_STRIDE, BLOCK_N, CODE_L, ROPE_L, SC_L)
                 pg = pg_next
-                _w64_dequantise(k_lat_s.index(s), stage_s, stage, sc_s.index(s), NG, GROUP, DT, CODE_L, SC_L)
+                _w64_dequantise(k_lat_s.index(s), stage_s, stage, sc_s.index(s), NG, GROUP, DT, DEQ_L, SC_L)
                 # the generic-proxy stores (and the copies) visible to the consumer's wgmma reads,
                 # from every producer warp, before the (single) arrival
                 fence_async_shared()
