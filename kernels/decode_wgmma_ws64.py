@@ -20,7 +20,10 @@ shared buffers and two mbarriers a buffer (ready / empty):
   swizzle: 64-column chunks of ``64 x 128`` bytes one after another) puts scale group ``g``'s
   bf16 values at bytes ``[16 KiB * g, 16 KiB * (g + 1))``: groups 0 and 1 are written where no
   codes are, group 2 over groups 0-1's codes once every producer thread has read them, group
-  3 over its own and group 2's once every thread holds them (barriers between). Keys past
+  3 over its own and group 2's once every thread holds them (barriers between). A thread
+  dequantises 8 codes at a time, so its bf16 values are one 16-byte store and the 16 threads of
+  a row write distinct banks (16 codes, two stores, ran 0.96-1.00x: ``h200-2026-11-27-ws64-dequant-vec.json``,
+  ``h100-2026-11-27-ws64-dequant-vec-recheck.json``; docs/kernel-performance.md, ``-kernel-36``). Keys past
   ``seq_len`` are masked copies, which land as zeros (a NaN-poisoned stale slot never reaches
   a dot).
 - the *consumer* (8 warps, two warpgroups; the launch's ``num_warps``; at up to 32 rows one
