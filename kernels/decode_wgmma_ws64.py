@@ -99,7 +99,10 @@ Where the time goes at h=16 s_q=2 (``h100-2026-11-26-ws-ablations.json``, B=128,
 consumer): the producer alone 601 us, the consumer alone 603, together 782 (the read floor of
 those bytes: 446). Nsight Compute (``h100-2026-11-26-ncu-ws-source.json``, B=128, L=4k): the
 L1/shared pipe is the busiest unit (74%), DRAM at 42%, issue slots 35% busy; the producer's
-``cp.async`` writes into the staging half show 2.6x their ideal wavefronts. Tried at 32 rows and
+``cp.async`` writes into the staging half show 2.6x their ideal wavefronts (10.5 a warp
+instruction against 4, the same when a warp copies one key's 512 contiguous code bytes instead of
+four keys' 128: not the rows' alignment; that key-by-key copy, converted 16 keys at a time, ran
+0.98-1.02x, ``h200-2026-11-27-ws64-token-copies.json``). Tried at 32 rows and
 not kept (``-ws64-keys.json``): with the keys-on-M consumer's smaller register need, an 8-warp
 producer (80 registers) 0.95x, at 64 registers 0.96-0.99x, and 4 warps at 128 registers (no
 spills) 0.98x, all bit for bit (``h100-2026-11-27-ws64-keys-producer-split.json``); a producer
@@ -136,7 +139,10 @@ the copy mechanism: the producer issuing each tile as TMA boxes into the same st
 one barrier a tile, 0.97-1.01x with one a scale group (``h100-2026-11-27-ws64-tma.json``). And the
 consumer is not what this producer waits on: ``decode_wgmma_pp``'s two ping-pong warpgroups fed
 by it at h=128 (each computing the scores of alternate tiles over all 64 keys) ran 0.89-0.997x
-this kernel (H200, ``h200-2026-11-27-ws64-pingpong.json``).
+this kernel (H200, ``h200-2026-11-27-ws64-pingpong.json``). Nor can the producer copy a request's
+next tile into the other buffer while it converts this one (after 0-2 of its four scale groups):
+0.65-0.99x, the earlier the slower (H100, ``h100-2026-11-27-ws64-copy-ahead.json``) -- that buffer
+is the one the consumer is still reading, and two tiles' copies then fly beside the conversion.
 
 **Staged stores.** A program whose part holds several requests pays a lot for each request
 it moves on to: at h=128 s_q=1 with 32 tiles a part, B=128 L=1k (two whole requests a part,
