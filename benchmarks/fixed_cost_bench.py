@@ -11,8 +11,8 @@ Four measurements, one json (``--out``):
    start (``T`` no more than a request's tiles): ``b`` is a tile's time in a part,
    ``a`` what the decode kernel costs beyond its tiles (the start of each program, its
    result's stores, the PDL wait).
-2. ``timeline`` (``kernel_timeline.py``): inside the pp (bf16 h=128), ws64 (FP8 h=128) and rs
-   (FP8 h=16 s_q=1) kernels, when the plan becomes visible, q and the first tile land, each of
+2. ``timeline`` (``kernel_timeline.py``): inside the pp (bf16 h=128), ws64 (FP8 h=128), rs
+   (FP8 h=16 s_q=1) and kt (bf16 h=16) kernels, when the plan becomes visible, q and the first tile land, each of
    the first 16 tiles reaches its QK, the loop ends and the result is stored, per program.
 3. ``stores``: one program per SM storing a ``[64, 512]`` fp32 partial (what a split 64-row
    program writes) from the wgmma accumulator's layout (as ``gluon_parts.store_rows_result``),
@@ -57,7 +57,7 @@ DEFAULT_BOUNDS = "bf16,128,1,32,1024;fp8,128,1,32,1024;bf16,128,2,32,1024;fp8,12
                  "bf16,128,1,128,1024;bf16,16,1,32,1024;fp8,16,1,32,1024;bf16,16,1,8,16384;fp8,16,1,8,16384;" \
                  "fp8,16,2,8,16384;fp8,16,2,32,4096"
 DEFAULT_TIMELINE = "bf16,128,1,32,256;bf16,128,1,32,1024;bf16,128,2,32,1024;fp8,128,1,32,256;fp8,128,1,32,1024;" \
-                   "fp8,128,2,32,1024"
+                   "fp8,128,2,32,1024;bf16,16,2,8,16384;bf16,16,2,32,1024"
 
 
 def tiles_per_part(batch: int, length: int, block_n: int, num_parts: int, min_tiles: int) -> tuple:
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated key lengths (multiples of 64)")
     p.add_argument("--routes", default=DEFAULT_ROUTES, help="kv,h,s_q;... (kv bf16 or fp8)")
     p.add_argument("--timeline", default=DEFAULT_TIMELINE, help="kv,h,s_q,B,L;... for the in-kernel timeline "
-                   "(h=128: the pp and ws64 kernels; FP8 h=16 s_q=1: rs); empty to skip")
+                   "(h=128: the pp and ws64 kernels; FP8 h=16 s_q=1: rs; bf16 h=16: kt); empty to skip")
     p.add_argument("--fit-min-tiles", type=int, default=4)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--no-stores", action="store_true")
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
     for kv, h, s_q, _, _ in timeline:
         if kt.kernel_for(kv, h, s_q) is None:
             raise SystemExit(f"timeline case {kv},{h},{s_q}: no instrumented kernel runs it (the 64-row kernels, "
-                             f"more than 32 query rows; FP8 at up to 16 rows)")
+                             f"more than 32 query rows; FP8 at up to 16 rows; 16-bit at up to 32)")
     import kernel_bench as kb
     from replay_timing import L2Flush
     torch.manual_seed(0)  # q and the caches

@@ -3,7 +3,8 @@
 Where does a small launch's time go inside the decode kernel? CUPTI gives a kernel's start
 and end; this gives the moments between. ``instrument(name)`` builds a copy of one shipping
 kernel module (``kernels/decode_wgmma_pp.py`` or ``kernels/decode_wgmma_ws64.py``, the 64-row
-kernels; ``kernels/decode_wgmma_rs.py``, FP8 in 16- or 32-row blocks) with one
+kernels; ``kernels/decode_wgmma_rs.py``, FP8 in 16- or 32-row blocks; ``kernels/decode_wgmma_kt.py``,
+16-bit in 16- or 32-row blocks) with one
 extra pointer argument and a ``%globaltimer`` read stored at each of a few points (``EVENTS``:
 the plan's arrival, q and the first tiles landing, the loop's end, the result stored, and from
 slot 16 on when each of a request's first ``CADENCE`` tiles reaches its QK),
@@ -55,24 +56,33 @@ EVENTS = {
            6: "WG0: loop end (last request)", 7: "producer: entry", 8: "WG0: result stored (last request)",
            9: "WG1: result stored (last request)",
            **{16 + k: f"WG0: the program's tile {k} ready" for k in range(CADENCE)}},
+    "kt": {0: "entry", 1: "plan visible (after griddepcontrol.wait)", 2: "consumer: q stored (first request)",
+           3: "consumer: first tile ready", 4: "consumer: first QK done", 5: "consumer: loop end (last request)",
+           6: "consumer: result stored (last request)", 7: "producer: entry", 8: "consumer: first stage freed",
+           **{16 + k: f"consumer: the program's tile {k} ready" for k in range(CADENCE)}},
 }
 
 #: per kernel, the event that marks a program's (last) result stored
-STORED = {"pp": 6, "ws64": 6, "rs": 8}
+STORED = {"pp": 6, "ws64": 6, "rs": 8, "kt": 6}
 
 
 def kernel_for(kv: str, h: int, s_q: int):
     """The instrumented kernel (a key of ``EVENTS``) that a Hopper launch of ``kv`` ('bf16' / 'fp8')
     at ``h`` heads x ``s_q`` tokens runs at the default config, or None when none is: 64-row
-    launches (more than 32 query rows) run pp (16-bit) or ws64 (FP8), FP8 at up to 16 rows rs."""
+    launches (more than 32 query rows) run pp (16-bit) or ws64 (FP8), FP8 at up to 16 rows rs,
+    16-bit at up to 32 rows kt."""
     rows = h * s_q
     if rows > 32:
         return "ws64" if kv == "fp8" else "pp"
-    return "rs" if kv == "fp8" and rows <= 16 else None
+    if kv != "fp8":
+        return "kt"
+    return "rs" if rows <= 16 else None
 
 
-_MODULES = {"pp": "kernels.decode_wgmma_pp", "ws64": "kernels.decode_wgmma_ws64", "rs": "kernels.decode_wgmma_rs"}
-_LAUNCHERS = {"pp": "launch_decode_wgmma_pp", "ws64": "launch_decode_wgmma_ws64", "rs": "launch_decode_wgmma_rs"}
+_MODULES = {"pp": "kernels.decode_wgmma_pp", "ws64": "kernels.decode_wgmma_ws64", "rs": "kernels.decode_wgmma_rs",
+            "kt": "kernels.decode_wgmma_kt"}
+_LAUNCHERS = {"pp": "launch_decode_wgmma_pp", "ws64": "launch_decode_wgmma_ws64", "rs": "launch_decode_wgmma_rs",
+              "kt": "launch_decode_wgmma_kt"}
 
 _HELPER = '''
 if gluon is not None:
@@ -172,6 +182,27 @@ _EDITS = {
         ("after", "store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)",
          _timer(8), 1),
     ],
+    "kt": [
+        ("sub", "lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,",
+         "lse_ptr, po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,", 1),
+        # the consumer's signature and argument tuple, then the producer's
+        ("sub", "plse_ptr, partial_cap, qk_scale, SQ, H, k_s, q_lat_s",
+         "plse_ptr, ts_ptr, partial_cap, qk_scale, SQ, H, k_s, q_lat_s", 2),
+        ("sub", "nsplit_ptr, off_ptr, bt_stride, k_s, ready, empty,",
+         "nsplit_ptr, off_ptr, ts_ptr, bt_stride, k_s, ready, empty,", 2),
+        _LAUNCH_TS,
+        ("before", _KERNEL_WAIT, _timer(0), 1),
+        ("after", _KERNEL_WAIT, _timer(1), 1),
+        ("after", _WORKER_WAIT, _timer(7), 1),
+        ("after", "ROPE, Q_L, QR_L)", _timer(2, "if it == 0:"), 1, 16),  # start_request_rows' 2nd line
+        ("after", "mbarrier.wait(ready.index(s), (it // NS) & 1)",
+         _timer(3, "if it == 0:") + ["if it < 16:", "    _ts(ts_ptr, 16 + it)"], 1),
+        ("after", "sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))", _timer(4, "if it == 0:"), 1),
+        ("after", "mbarrier.arrive(empty.index(s))", _timer(8, "if it == 0:"), 1),
+        ("before", "l_safe, lse2 = softmax_result(m_i, gl.sum(l_p, axis=0))", _timer(5), 1),
+        ("after", "store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)",
+         _timer(6), 1),
+    ],
 }
 
 
@@ -231,7 +262,7 @@ def instrument(name: str):
 
 
 def install(ts: torch.Tensor):
-    """Route ``kernels.decode_split``'s pp, ws64 and rs launches to the instrumented copies, storing
+    """Route ``kernels.decode_split``'s pp, ws64, rs and kt launches to the instrumented copies, storing
     into ``ts`` (int64 ``[programs, 32]``, zeroed by the caller before each launch to be read).
     Returns a function that restores the shipping launchers."""
     import kernels.decode_split as ds

@@ -45,7 +45,7 @@ def test_bad_cases_are_usage_errors(load_benchmark):
             fc._parse_cases(bad, 3)
 
 
-@pytest.mark.parametrize("kernel", ["pp", "ws64", "rs"])
+@pytest.mark.parametrize("kernel", ["pp", "ws64", "rs", "kt"])
 def test_timeline_copies_build_with_every_event(load_benchmark, kernel):
     """Every anchor is found in the shipping kernel's source and every event gets a timer
     store; the copy imports (Gluon parses it) and its kernel takes the extra pointer right
@@ -69,11 +69,11 @@ def test_timeline_kernel_is_the_default_route(load_benchmark):
     assert kt.kernel_for("bf16", 128, 1) == "pp" and kt.kernel_for("bf16", 16, 4) == "pp"
     assert kt.kernel_for("fp8", 128, 2) == "ws64" and kt.kernel_for("fp8", 16, 1) == "rs"
     assert kt.kernel_for("fp8", 16, 2) is None  # 32 rows: ws64's keys consumer (B > 4) or two rs blocks
-    assert kt.kernel_for("bf16", 16, 1) is None  # the kt kernel
+    assert kt.kernel_for("bf16", 16, 1) == "kt" and kt.kernel_for("bf16", 16, 2) == "kt"
     fc = load_benchmark("fixed_cost_bench")
     if torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no instrumented kernel runs it"):
-            fc.main(["--timeline", "bf16,16,1,8,512", "--routes", "", "--no-stores", "--bounds", ""])
+            fc.main(["--timeline", "fp8,16,2,8,512", "--routes", "", "--no-stores", "--bounds", ""])
 
 
 def test_timeline_refuses_a_moved_anchor(load_benchmark, monkeypatch):
@@ -109,7 +109,7 @@ def test_timeline_events_are_ordered_gpu(load_benchmark):
     from mla_ref import ModelSpec
     pool = kb.CachePool(ModelSpec(), 8 * 512 + 4096)
     gen = torch.Generator().manual_seed(0)
-    for kv, h, kernel in (("bf16", 128, "pp"), ("fp8", 128, "ws64"), ("fp8", 16, "rs")):
+    for kv, h, kernel in (("bf16", 128, "pp"), ("fp8", 128, "ws64"), ("fp8", 16, "rs"), ("bf16", 16, "kt")):
         torch.manual_seed(1)
         c = fc._Case(pool, kv, h, 1, 8, 512, gen)
         c.forward()
@@ -127,7 +127,7 @@ def test_timeline_events_are_ordered_gpu(load_benchmark):
         live = t[:, kt.STORED[kernel]] > 0
         assert int(live.sum()) >= 8  # 8 requests (x 2 row blocks at h=128), at least one program each
         # entry, plan, first tile, loop end / scores exchanged, stored
-        chain = [0, 1, 3, 5, 6] if kernel != "rs" else [0, 1, 3, 5, 6, 8]
+        chain = {"rs": [0, 1, 3, 5, 6, 8], "kt": [0, 1, 3, 4, 8, 5, 6]}.get(kernel, [0, 1, 3, 5, 6])
         for a, b in zip(chain, chain[1:]):
             assert bool((t[live, a] <= t[live, b]).all()), (kernel, a, b)
         # the cadence: each recorded tile after the one before, the first at the first tile's slot
