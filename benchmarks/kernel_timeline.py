@@ -115,16 +115,18 @@ _LAUNCH_TS = ("sub", "partial_o, partial_lse, block_table.shape[1]",
               "partial_o, partial_lse, TS[0], block_table.shape[1]", 1)
 _KERNEL_WAIT = "wait_prior_grid(PDL)  # before any read of the plan"
 _WORKER_WAIT = "wait_prior_grid(PDL)  # this partition's warps too"
+# every kernel: the launcher's buffer, and the kernel's entry and plan-visible timers
+_ENTRY = [_LAUNCH_TS, ("before", _KERNEL_WAIT, _timer(0), 1), ("after", _KERNEL_WAIT, _timer(1), 1)]
+# the kernel signature of pp and kt (ws64 and rs break theirs over other lines)
+_KERNEL_SIG = ("sub", "lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,",
+               "lse_ptr, po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,", 1)
 _EDITS = {
     "pp": [
         # the partitions' signatures and their argument tuples in the kernel, then the kernel's
         ("sub", "po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s",
          "po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, qk_scale, SQ, H, q_lat_s", 4),
-        ("sub", "lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,",
-         "lse_ptr, po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,", 1),
-        _LAUNCH_TS,
-        ("before", _KERNEL_WAIT, _timer(0), 1),
-        ("after", _KERNEL_WAIT, _timer(1), 1),
+        _KERNEL_SIG,
+        *_ENTRY,
         ("after", "mbarrier.arrive(qready.index(0))", _timer(2, "if nreq == 0:"), 1),
         ("before", "s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z, z, _S_L)", _timer(3, *_ONCE), 1),
         ("before", "s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z, z, _S_L)",
@@ -144,9 +146,7 @@ _EDITS = {
         ("sub", "                                 po_ptr, plse_ptr, partial_cap, qk_scale",
          "                                 po_ptr, plse_ptr, ts_ptr, partial_cap, qk_scale", 1),
         ("sub", "nsplit_ptr, off_ptr, bt_stride,", "nsplit_ptr, off_ptr, ts_ptr, bt_stride,", 3),  # the producer's
-        _LAUNCH_TS,
-        ("before", _KERNEL_WAIT, _timer(0), 1),
-        ("after", _KERNEL_WAIT, _timer(1), 1),
+        *_ENTRY,
         ("after", _WORKER_WAIT, _timer(7), 1),
         ("after", "mbarrier.arrive(ready.index(s))", _timer(8, "if it == 0:") + _timer(9, "if it == 1:"), 1),
         ("after", "RANK, ROPE, Q_L, QR_L)", _timer(2, "if it == 0:"), 1, 16),  # start_request_rows' 2nd line
@@ -167,9 +167,7 @@ _EDITS = {
          "off_ptr, ts_ptr, bt_stride,\n" + " " * 21 + "codes_s,", 1),
         ("sub", "off_ptr,\n" + " " * 28 + "bt_stride, codes_s,",
          "off_ptr,\n" + " " * 28 + "ts_ptr, bt_stride, codes_s,", 1),
-        _LAUNCH_TS,
-        ("before", _KERNEL_WAIT, _timer(0), 1),
-        ("after", _KERNEL_WAIT, _timer(1), 1),
+        *_ENTRY,
         ("after", _WORKER_WAIT, _timer(7), 1),  # the producer's
         ("after", "copy_q_rope_now(q_rope_s, q_row, r_rope, c_rope, ROWS, RANK)", _timer(2, "if it == 0:"), 1),
         ("after", "mbarrier.wait(ready.index(s), (it // NS) & 1)",
@@ -183,16 +181,13 @@ _EDITS = {
          _timer(8), 1),
     ],
     "kt": [
-        ("sub", "lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,",
-         "lse_ptr, po_ptr, plse_ptr, ts_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,", 1),
+        _KERNEL_SIG,
         # the consumer's signature and argument tuple, then the producer's
         ("sub", "plse_ptr, partial_cap, qk_scale, SQ, H, k_s, q_lat_s",
          "plse_ptr, ts_ptr, partial_cap, qk_scale, SQ, H, k_s, q_lat_s", 2),
         ("sub", "nsplit_ptr, off_ptr, bt_stride, k_s, ready, empty,",
          "nsplit_ptr, off_ptr, ts_ptr, bt_stride, k_s, ready, empty,", 2),
-        _LAUNCH_TS,
-        ("before", _KERNEL_WAIT, _timer(0), 1),
-        ("after", _KERNEL_WAIT, _timer(1), 1),
+        *_ENTRY,
         ("after", _WORKER_WAIT, _timer(7), 1),
         ("after", "ROPE, Q_L, QR_L)", _timer(2, "if it == 0:"), 1, 16),  # start_request_rows' 2nd line
         ("after", "mbarrier.wait(ready.index(s), (it // NS) & 1)",
