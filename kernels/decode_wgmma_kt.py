@@ -26,7 +26,8 @@ L 1k-16k, ``benchmarks/results/h100-2026-11-27-wgmma-kt-ab.json``): 1.00-1.24x, 
 B=8, L=16k 78.2 -> 67.6 us (64% -> 74% of the copy rate), B=128, L=1k 74.3 -> 64.6 us (69% ->
 80%), 99% of the copy rate at B=128, L=16k. At 32 rows (bf16 h=16 s_q=2, against the 64-row
 kernel, same json): 1.01-1.26x, B=1, L=1k 24.9 -> 19.8 us, B=128, L=1k 72.4 -> 69.1 us; it
-spills 40 bytes a consumer thread there (eight [64, 32] fp32 accumulators). Mutants (same json):
+spills there (eight [64, 32] fp32 accumulators): 40 bytes when it was written, 52 bytes of spill stores in
+the sm_90a build of 2026-11-27 (Triton 3.6, compiled offline). Mutants (same json):
 seven, all caught by ``tests/test_kernels_wgmma.py::test_decode_wgmma_kt_matches_reference_gpu``.
 
 - A one-warp *producer* issues TMA copies of each tile's rows -- nine ``[rows, 64]`` boxes
