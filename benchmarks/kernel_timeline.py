@@ -43,9 +43,11 @@ CADENCE = 16
 #: event slot -> what it marks, per kernel
 EVENTS = {
     "pp": {0: "entry", 1: "plan visible (after griddepcontrol.wait)", 2: "A: q landed (first request)",
-           3: "A: first tile landed, before its QK", 4: "A: first QK done", 5: "A: loop end (first request)",
-           6: "A or B: result stored (last request)", 7: "B: entry", 8: "B: first own tile landed, before its QK",
-           **{16 + k: f"A: tile {2 * k} before its QK (first request)" for k in range(CADENCE)}},
+           3: "A: first tile's QK begins (waits for the tile's copy groups as they land)",
+           4: "A: first QK done", 5: "A: loop end (first request)",
+           6: "A or B: result stored (last request)", 7: "B: entry",
+           8: "B: first own tile's QK begins (waits for its copy groups)",
+           **{16 + k: f"A: tile {2 * k}'s QK begins (first request)" for k in range(CADENCE)}},
     "ws64": {0: "entry", 1: "plan visible (after griddepcontrol.wait)", 2: "consumer: q landed (first request)",
              3: "consumer: first tile ready", 4: "consumer: second tile ready", 5: "consumer: loop end",
              6: "consumer: result stored", 7: "producer: entry", 8: "producer: first tile converted",

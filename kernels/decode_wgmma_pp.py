@@ -12,7 +12,10 @@ Here (FlashMLA's "seesaw") each warpgroup is its own partition (``gl.warp_specia
 - warpgroup A takes the even tiles of a request (``t0, t0 + 2, ...``), B the odd ones. Each
   copies its own tiles (``cp.async``) into its own buffer (A buffer 0, B buffer 1: the latent
   in two 256-column halves and the rope) and computes their scores ``S = Q K^T`` over all
-  64 keys and 64 rows, so the row max and sum are reductions inside one warpgroup;
+  64 keys and 64 rows, so the row max and sum are reductions inside one warpgroup. A tile is
+  copied as two commit groups, the owner's latent half (A columns 0-255, B 256-511) first: the
+  scores' dot over that half is issued once it has landed, the rope's and the other half's once
+  the rest has ("Copy groups", below);
 - A holds columns 0-255 of the accumulator, B columns 256-511: both tiles' ``P V`` reach
   both halves. A tile's owner writes its ``P`` (bf16) over the tile's rope -- dead once its
   QK is done, and the same ``[64, 64]`` shape -- with the running row max it reached, and
@@ -73,6 +76,23 @@ their copies (``cp.async.bulk.prefetch.L2``: the tile after next a row a key, th
 after issuing a QK, or the tile after next as one 72 KiB request) left the outputs bit for bit
 and ran 0.79-0.98x (``h100-2026-11-27-pp-l2-prefetch.json``): the prefetches add to the same
 bursts.
+
+Copy groups. Each warpgroup waits for the copy of its next tile right after issuing it (its
+buffer is free only once both halves of the last ``P V`` are done), so the latency of the tile's
+last bytes was the warpgroup's to wait out in full. Now the tile is copied as two commit groups,
+the owner's latent half (32 KiB) and then the other half with the rope (40 KiB), and
+``_pp_scores`` issues the first group's dot (its half of q against that half, 64x64x256) as soon
+as that group has landed; the rope's and the other half's dots follow once the rest has. The
+scores are summed in another order, so outputs move by up to one bf16 rounding (0.004 here). Old
+and new in one process on an H100 (``benchmarks/results/h100-2026-11-27-pp-copy-groups.json``,
+bf16 h=128, s_q 1-2, B 8-128, L 1k-16k): 1.018-1.064x (s_q=2 B=32 L=1k 62.1 -> 58.3 us, B=128
+L=4k 584 -> 564). Tried beside it in the same way and not kept, against the kernel of then
+(``h100-2026-11-27-pp-early-refill.json``, two runs): each warpgroup also refilling its own
+half as soon as its own ``P V`` of the tile is done (only its own dots read that half; the other
+half and the rope still after the other warpgroup's), 0.98-1.06x. At s_q=2, B >= 32 that was up
+to 1.5% ahead of the copy groups alone, at s_q=1 up to 4% behind them, and B=128 L=16k s_q=2 ran
+0.98x in one run. Without the split dots it ran 0.92-1.02x: waiting for its own ``P V`` before
+that copy costs more than the earlier copy saves.
 
 Staged stores (as ``decode_wgmma_ws64``'s, whose module doc says why): a warpgroup stores an
 unsplit request's 256 columns of ``out`` through the latent half of its own buffer that only its
@@ -164,28 +184,51 @@ if gluon is not None:
     def _pp_copy_tile(k_s, kr_s, buf: gl.constexpr, kv_ptr, bt_row, tile, seq_len, page0, PAGE: gl.constexpr,
                       RANK: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_N: gl.constexpr, HALF_L: gl.constexpr,
                       ROPE_L: gl.constexpr):
-        # A tile's keys into buffer ``buf`` (k_s[2 buf], k_s[2 buf + 1], kr_s[buf]); keys past
-        # seq_len land as zeros (a NaN-poisoned stale slot never reaches a dot). Their cache
-        # rows: in page ``page0`` (``tile_page``) when a page holds whole tiles, else each
-        # key's through the block table
+        # A tile's keys into buffer ``buf`` (k_s[2 buf], k_s[2 buf + 1], kr_s[buf]) as two commit
+        # groups: the buffer owner's latent half (k_s[3 buf], columns 256 buf + [0, 256)), then
+        # the other half and the rope, so that ``_pp_scores`` can start on the first while the
+        # second lands. Keys past seq_len land as zeros (a NaN-poisoned stale slot never reaches
+        # a dot). Their cache rows: in page ``page0`` (``tile_page``) when a page holds whole
+        # tiles, else each key's through the block table
+        HALF: gl.constexpr = RANK // 2
+        ROPE: gl.constexpr = kr_s.shape[2]
         offs = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, HALF_L))
         ok = offs < seq_len
+        rows = key_rows(kv_ptr, bt_row, offs, ok, page0, PAGE, BLOCK_N, TOKEN_STRIDE)
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, HALF_L))
+        mask = ok[:, None] & (cols[None, :] < HALF)
+        async_copy.async_copy_global_to_shared(k_s.index(3 * buf), rows[:, None] + buf * HALF + cols[None, :],
+                                               mask=mask)
+        async_copy.commit_group()
+        async_copy.async_copy_global_to_shared(k_s.index(buf + 1), rows[:, None] + (1 - buf) * HALF + cols[None, :],
+                                               mask=mask)
         offs_r = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROPE_L))
         ok_r = offs_r < seq_len
-        _pp_copy_rows(k_s.index(2 * buf), k_s.index(2 * buf + 1), kr_s.index(buf),
-                      key_rows(kv_ptr, bt_row, offs, ok, page0, PAGE, BLOCK_N, TOKEN_STRIDE), ok, ok_r,
-                      key_rows(kv_ptr, bt_row, offs_r, ok_r, page0, PAGE, BLOCK_N, TOKEN_STRIDE), RANK, HALF_L, ROPE_L)
+        rows_r = key_rows(kv_ptr, bt_row, offs_r, ok_r, page0, PAGE, BLOCK_N, TOKEN_STRIDE)
+        cols_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, ROPE_L))
+        async_copy.async_copy_global_to_shared(kr_s.index(buf), rows_r[:, None] + RANK + cols_r[None, :],
+                                               mask=ok_r[:, None] & (cols_r[None, :] < ROPE))
+        async_copy.commit_group()
 
     @gluon.jit
     def _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, buf, z, S_L: gl.constexpr):
-        # Issue S = Q K^T for the tile in buffer ``buf`` (rope, then the two latent halves).
-        # ``buf`` and ``z`` (0) are run-time values that change every trip: with loop-invariant
-        # indices the compiler hoists the dots' shared-memory descriptors (two 64-bit words a
-        # 16-deep k step, 36 steps for QK alone) out of the loops, and they spill
+        # Issue S = Q K^T for the tile in buffer ``buf``, the last this thread copied
+        # (``_pp_copy_tile``'s two groups): the owner's latent half once the first group has
+        # landed, the rope and the other half once the second has, so the first dot runs while
+        # the rest of the tile arrives. ``buf`` and ``z`` (0) are run-time values that change
+        # every trip: with loop-invariant indices the compiler hoists the dots' shared-memory
+        # descriptors (two 64-bit words a 16-deep k step, 36 steps for QK alone) out of the
+        # loops, and they spill
+        async_copy.wait_group(1)
+        fence_async_shared()
+        gl.thread_barrier()
         s = gl.full([q_lat_s.shape[1], k_s.shape[1]], 0.0, gl.float32, S_L)
-        s = warpgroup_mma(q_rope_s.index(z), kr_s.index(buf).permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_lat_s.index(z), k_s.index(2 * buf).permute((1, 0)), s, is_async=True)
-        return warpgroup_mma(q_lat_s.index(z + 1), k_s.index(2 * buf + 1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_lat_s.index(buf), k_s.index(3 * buf).permute((1, 0)), s, use_acc=False, is_async=True)
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = warpgroup_mma(q_rope_s.index(z), kr_s.index(buf).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma(q_lat_s.index(1 - buf), k_s.index(buf + 1).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _pp_hand_over(p, m_i, kr_s, mx_s, buf, pready):
@@ -258,8 +301,7 @@ if gluon is not None:
                 _pp_copy_tile(k_s, kr_s, 0, kv_ptr, bt_row, t0, seq_len, tile_page(bt_row, t0, t1, PAGE, BLOCK_N),
                               PAGE, RANK, TOKEN_STRIDE, BLOCK_N, _HALF_L,
                               _ROPE_L)
-                async_copy.commit_group()
-                async_copy.wait_group(1)
+                async_copy.wait_group(2)  # q (the tile's two groups may be in flight)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(qready.index(0))
@@ -276,9 +318,6 @@ if gluon is not None:
                     if j > 0:
                         gl.thread_barrier()
                         mbarrier.arrive(free.index(1))
-                    async_copy.wait_group(0)
-                    fence_async_shared()
-                    gl.thread_barrier()
                     s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z, z, _S_L)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                     p, alpha, m_i, l_i = softmax_rows_step(s * qk_scale, m_i, l_i, ctx, tile * BLOCK_N + n_s, seq_len)
@@ -298,7 +337,6 @@ if gluon is not None:
                             mbarrier.wait(free.index(0), (ka & 1) ^ 1)
                             _pp_copy_tile(k_s, kr_s, 0, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK,
                                           TOKEN_STRIDE, BLOCK_N, _HALF_L, _ROPE_L)
-                            async_copy.commit_group()
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 if (t1 - t0) % 2 == 0:
                     gl.thread_barrier()
@@ -331,7 +369,6 @@ if gluon is not None:
                     _pp_copy_tile(k_s, kr_s, 1, kv_ptr, bt_row, t0 + 1, seq_len,
                                   tile_page(bt_row, t0 + 1, t1, PAGE, BLOCK_N), PAGE, RANK, TOKEN_STRIDE, BLOCK_N,
                                   _HALF_L, _ROPE_L)
-                    async_copy.commit_group()
                 mbarrier.wait(qready.index(0), nreq & 1)
 
                 m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, _ROW_S)
@@ -344,9 +381,6 @@ if gluon is not None:
                     if tile < t1:
                         # the last pair's P V dot is done
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                        async_copy.wait_group(0)
-                        fence_async_shared()
-                        gl.thread_barrier()
                         # own QK runs while A's softmax does
                         s = _pp_scores(q_lat_s, q_rope_s, kr_s, k_s, z + 1, z, _S_L)
                         mbarrier.wait(pready.index(0), ka & 1)
@@ -370,7 +404,6 @@ if gluon is not None:
                             mbarrier.wait(free.index(1), (kb & 1) ^ 1)
                             _pp_copy_tile(k_s, kr_s, 1, kv_ptr, bt_row, tile + 2, seq_len, pg_next, PAGE, RANK,
                                           TOKEN_STRIDE, BLOCK_N, _HALF_L, _ROPE_L)
-                            async_copy.commit_group()
                             acc = warpgroup_mma_init(acc)
                     else:
                         # the request's last tile is A's: only this half of its P V
