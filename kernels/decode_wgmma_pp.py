@@ -92,10 +92,10 @@ half as soon as its own ``P V`` of the tile is done (only its own dots read that
 half and the rope still after the other warpgroup's), 0.98-1.06x. At s_q=2, B >= 32 that was up
 to 1.5% ahead of the copy groups alone, at s_q=1 up to 4% behind them, and B=128 L=16k s_q=2 ran
 0.98x in one run. Without the split dots it ran 0.92-1.02x: waiting for its own ``P V`` before
-that copy costs more than the earlier copy saves. Three groups instead of two (the owner's half in two 128-column
-quarters, each with its own wait, barrier and dot) were bit for bit the same and ran 0.938-0.982x
-the two (``h100-2026-11-27-pp-three-copy-groups.json``): a third wait and barrier cost more than
-16 KiB landing earlier saves.
+that copy costs more than the earlier copy saves. Three groups instead of two (the owner's half in
+two 128-column quarters, each with its own wait, barrier and dot) were bit for bit the same and
+ran 0.938-0.982x the two (``h100-2026-11-27-pp-three-copy-groups.json``): a third wait and
+barrier cost more than 16 KiB landing earlier saves.
 
 Staged stores (as ``decode_wgmma_ws64``'s, whose module doc says why): a warpgroup stores an
 unsplit request's 256 columns of ``out`` through the latent half of its own buffer that only its
