@@ -146,7 +146,12 @@ is the one the consumer is still reading, and two tiles' copies then fly beside 
 Ablations of this code (H100, ``h100-2026-11-27-ws64-ablations.json``, the kernel's CUPTI time with
 the conversion or the dots left out; B=128, L=16k): at h=128 s_q=1 1460 us in all, 1000 without
 the dots, 1196 without the conversion, 756 with neither; at h=16 x 2 657, 565, 511 and 506.
-Neither side alone sets the pace: the conversion and the dots slow each other down.
+Neither side alone sets the pace: the conversion and the dots slow each other down. Nor can a
+part's m-block programs share the conversion through L2 (each converting a quarter or half of the
+scale groups into a scratch ring and copying the rest from its partners' slots once their
+counters say so): bit for bit the same, 0.42-0.56x, and 0.73-0.84x with the synchronisation left
+out (H100, ``h100-2026-11-27-ws64-l2-shared-conversion.json``; docs/kernel-performance.md) -- one
+tile ahead, the extra store and copy lengthen each tile's chain.
 
 **Staged stores.** A program whose part holds several requests pays a lot for each request
 it moves on to: at h=128 s_q=1 with 32 tiles a part, B=128 L=1k (two whole requests a part,
