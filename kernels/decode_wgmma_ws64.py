@@ -151,7 +151,8 @@ part's m-block programs share the conversion through L2 (each converting a quart
 scale groups into a scratch ring and copying the rest from its partners' slots once their
 counters say so): bit for bit the same, 0.42-0.56x, and 0.73-0.84x with the synchronisation left
 out (H100, ``h100-2026-11-27-ws64-l2-shared-conversion.json``; docs/kernel-performance.md) -- one
-tile ahead, the extra store and copy lengthen each tile's chain.
+tile ahead, the extra store and copy lengthen each tile's chain. Run ahead of the copies with no
+synchronisation at all (timing only), it reached at most 1.034x, at s_q=2.
 
 **Staged stores.** A program whose part holds several requests pays a lot for each request
 it moves on to: at h=128 s_q=1 with 32 tiles a part, B=128 L=1k (two whole requests a part,
