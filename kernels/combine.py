@@ -59,7 +59,11 @@ pieces (no four-piece tail loop) cost h=16 s_q=1 B=32 0.955-0.983x (same json,
 combine): one trip of eight for five to eight remaining pieces ran 0.994-1.003x, two warps a
 program 0.952-1.008x (``h100-2026-11-27-combine-tail.json``), nor its chain of plan reads: loading
 a request's ``split_offsets`` beside its ``num_splits``, one dependent read fewer, ran 0.991-1.004x
-(``h100-2026-11-27-combine-first-early.json``).
+(``h100-2026-11-27-combine-first-early.json``). Nor is it the wait for the decode where nothing is
+split: a program reading its request's ``num_splits`` (the planner's, complete before any decode
+program passed its own wait) before the PDL wait and returning at once for a request in one
+piece ran 0.984-1.006x, bit for bit, 0.984x at h=128 s_q=2 B=32 L=1k where no request is split
+(``h100-2026-11-27-combine-early-exit.json``).
 """
 from __future__ import annotations
 
