@@ -49,9 +49,9 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mla_ref import ModelSpec  # noqa: E402
+from mla_fuzz.mla_ref import ModelSpec  # noqa: E402
 
-from kernels.pdl import grid_release, grid_wait  # noqa: E402
+from mla_fuzz.kernels.pdl import grid_release, grid_wait  # noqa: E402
 
 #: the graphs timed for each case, in the order each round times them (module doc)
 MODES = ("shipped", "floor", "floor_no_combine", "read_alone", "three_kernels")
@@ -64,7 +64,7 @@ def read_in_decode_place(stand_in, combine: bool = True):
     """Within the block, ``kernels.ops`` calls ``stand_in`` with the split-KV decode's arguments
     where it would launch the decode, and (``combine`` False) launches no combine kernel;
     restored on exit, also after an error. Timing only: ``out`` and ``lse`` are never written."""
-    import kernels.ops as ops
+    import mla_fuzz.kernels.ops as ops
     dec, comb = ops.launch_decode_split, ops.launch_combine
     try:
         ops.launch_decode_split = stand_in
@@ -167,7 +167,7 @@ def _floor_graphs(c, reader, kv_bytes: int, programs, no_combine: bool) -> dict:
     partial rows the plan's split requests use; ``floor`` and, with ``no_combine``,
     ``floor_no_combine`` (module doc)."""
     from fixed_cost_bench import _graph_of
-    from kernels.pdl import pdl_on
+    from mla_fuzz.kernels.pdl import pdl_on
     batch = c.q.shape[0]
     pieces = pieces_used(c.md.num_splits[:batch].cpu(), c.md.split_offsets[:batch].cpu())
     wait = pdl_on(c.q)  # the read waits for the plan exactly where the decode would
@@ -208,7 +208,7 @@ def run_case(case, pool, reader, flush, gen, reps: int, rates: tuple, parts=(), 
 
     import kernel_bench as kb
     from fixed_cost_bench import _Case, _graph_of, _kernel_medians
-    from kernels.pdl import pdl_on
+    from mla_fuzz.kernels.pdl import pdl_on
     kv, h, s_q, batch, length = case
     spec = ModelSpec(num_heads=h)
     io_bytes, flops, kv_bytes = kb.case_cost(spec, h, s_q, batch, length, kv)

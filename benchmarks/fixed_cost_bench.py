@@ -39,15 +39,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mla_ref import ModelSpec  # noqa: E402
+from mla_fuzz.mla_ref import ModelSpec  # noqa: E402
 
-from kernels import default_config  # noqa: E402
+from mla_fuzz.kernels import default_config  # noqa: E402
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from kernels.gluon_parts import wgmma_layout
+    from mla_fuzz.kernels.gluon_parts import wgmma_layout
 except Exception:  # pragma: no cover - a Triton without Gluon
     gluon = None
 
@@ -64,7 +64,7 @@ def tiles_per_part(batch: int, length: int, block_n: int, num_parts: int, min_ti
     """The planner's ``(T, P_eff)`` for ``batch`` requests of ``length`` keys each: ``T =
     cdiv(total, P0)``, ``P0`` from ``planner.first_parts``, ``P_eff = cdiv(total, T)``
     (``kernels/planner.py``); ``(0, 0)`` for no keys."""
-    from kernels.planner import first_parts
+    from mla_fuzz.kernels.planner import first_parts
     total = batch * -(-length // block_n)
     if total == 0:
         return 0, 0
@@ -279,7 +279,7 @@ def without_merge(combine: bool, partials: bool):
     decode partial buffers of no rows (``partials``: the kernels store a partial only below that
     capacity, so split pieces store nothing); restored on exit, also after an error. Timing only:
     split requests' ``out`` / ``lse`` are then never written."""
-    import kernels.ops as ops
+    import mla_fuzz.kernels.ops as ops
     dec, comb = ops.launch_decode_split, ops.launch_combine
 
     def decode_without_partials(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info,

@@ -81,11 +81,11 @@ sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, _HERE)
 
 import kernel_bench as kb  # noqa: E402
-from mla_ref import ModelSpec  # noqa: E402
+from mla_fuzz.mla_ref import ModelSpec  # noqa: E402
 
-from kernels import DecodeConfig, default_config  # noqa: E402
-import kernels.decode_split as ds  # noqa: E402
-import kernels.decode_wgmma as dw  # noqa: E402
+from mla_fuzz.kernels import DecodeConfig, default_config  # noqa: E402
+import mla_fuzz.kernels.decode_split as ds  # noqa: E402
+import mla_fuzz.kernels.decode_wgmma as dw  # noqa: E402
 
 # This benchmark times the Triton kernel's FP8 paths. On Hopper the shipped configs of h=16
 # FP8 and of 64-row blocks run the Gluon kernel (kernels/decode_wgmma.py) instead; it is off

@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mla_ref import ModelSpec, mla_decode  # noqa: E402
-from mla_ref.fp8 import quantize_kv_fp8, split_fp8_tokens  # noqa: E402
+from mla_fuzz.mla_ref import ModelSpec, mla_decode  # noqa: E402
+from mla_fuzz.mla_ref.fp8 import quantize_kv_fp8, split_fp8_tokens  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 #: bf16 outputs on the GPU: (atol, rtol), as tests/kernels_cases.TOL_GPU

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from harness.cli import main as cli_main  # noqa: E402
+from mla_fuzz.harness.cli import main as cli_main  # noqa: E402
 
 
 def main(argv=None) -> int:

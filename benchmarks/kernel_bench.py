@@ -46,9 +46,9 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mla_ref import DecodeBatch, ModelSpec  # noqa: E402
+from mla_fuzz.mla_ref import DecodeBatch, ModelSpec  # noqa: E402
 
-from kernels import DecodeConfig, TritonMLABackend, default_config, ops  # noqa: E402
+from mla_fuzz.kernels import DecodeConfig, TritonMLABackend, default_config, ops  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from replay_timing import L2Flush, ReadReference, median_replay_ms  # noqa: E402

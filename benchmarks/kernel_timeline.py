@@ -81,8 +81,8 @@ def kernel_for(kv: str, h: int, s_q: int):
     return "rs" if rows <= 16 else None
 
 
-_MODULES = {"pp": "kernels.decode_wgmma_pp", "ws64": "kernels.decode_wgmma_ws64", "rs": "kernels.decode_wgmma_rs",
-            "kt": "kernels.decode_wgmma_kt"}
+_MODULES = {"pp": "mla_fuzz.kernels.decode_wgmma_pp", "ws64": "mla_fuzz.kernels.decode_wgmma_ws64", "rs": "mla_fuzz.kernels.decode_wgmma_rs",
+            "kt": "mla_fuzz.kernels.decode_wgmma_kt"}
 _LAUNCHERS = {"pp": "launch_decode_wgmma_pp", "ws64": "launch_decode_wgmma_ws64", "rs": "launch_decode_wgmma_rs",
               "kt": "launch_decode_wgmma_kt"}
 
@@ -232,7 +232,7 @@ def instrument_source(name: str) -> str:
     if name not in _EDITS:
         raise ValueError(f"no timeline for kernel {name!r}; known: {sorted(_EDITS)}")
     module = importlib.import_module(_MODULES[name])
-    src = inspect.getsource(module).replace("from .", "from kernels.")
+    src = inspect.getsource(module).replace("from .", "from mla_fuzz.kernels.")
     marker = "\n__all__ = ["
     if src.count(marker) != 1:
         raise ValueError(f"{_MODULES[name]}: no single '__all__' line to put the timer helper before")
@@ -262,7 +262,7 @@ def install(ts: torch.Tensor):
     """Route ``kernels.decode_split``'s pp, ws64, rs and kt launches to the instrumented copies, storing
     into ``ts`` (int64 ``[programs, 32]``, zeroed by the caller before each launch to be read).
     Returns a function that restores the shipping launchers."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     if ts.dtype != torch.int64 or ts.dim() != 2 or ts.shape[1] != SLOTS:
         raise ValueError(f"ts must be int64 [programs, 32], got {tuple(ts.shape)} {ts.dtype}")
     saved = {}

@@ -30,9 +30,9 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kernels.config import next_pow2  # noqa: E402
-from kernels import planner as planner_mod  # noqa: E402
-from kernels.planner import launch_planner, plan_reference  # noqa: E402
+from mla_fuzz.kernels.config import next_pow2  # noqa: E402
+from mla_fuzz.kernels import planner as planner_mod  # noqa: E402
+from mla_fuzz.kernels.planner import launch_planner, plan_reference  # noqa: E402
 
 
 # ---- the previous planner (one program, grid (1,)), kept only as a timing baseline

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import grid_wait
+from mla_fuzz.kernels.pdl import grid_wait
 
 #: bytes the flush reads: five times an H100's / H200's 50 / 60 MB L2
 FLUSH_BYTES = 256 * 1024 * 1024

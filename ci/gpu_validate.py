@@ -22,7 +22,7 @@ import time
 
 def _clean_worker(args):
     spec, examples, seed, budget = args
-    from harness.fuzz import fuzz
+    from mla_fuzz.harness.fuzz import fuzz
     r = fuzz("triton", spec=spec, graph_mode="cuda", examples=examples, seed=seed, budget_s=budget,
              shrink_seconds=60)
     return {"spec": spec, "seed": seed, "examples": r.examples, "steps": r.steps, "seconds": round(r.seconds, 1),
@@ -31,9 +31,9 @@ def _clean_worker(args):
 
 def _mutant_worker(args):
     name, spec, seed = args
-    from harness.fuzz import fuzz
-    from harness.mutants import EXPECTED
-    from harness.repro import replay_repro
+    from mla_fuzz.harness.fuzz import fuzz
+    from mla_fuzz.harness.mutants import EXPECTED
+    from mla_fuzz.harness.repro import replay_repro
     r = fuzz(f"mutant:{name}", spec=spec, graph_mode="cuda", examples=300, seed=seed, shrink_seconds=60)
     row = {"mutant": name, "spec": spec, "caught": r.failed, "examples_to_detect": r.examples_to_detect,
            "seconds_to_detect": r.seconds_to_detect and round(r.seconds_to_detect, 2),
@@ -66,7 +66,7 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     t0 = time.time()
     with ctx.Pool(a.procs) as pool:
-        from harness.mutants import ALL
+        from mla_fuzz.harness.mutants import ALL
         names = a.mutants.split(",") if a.mutants else list(ALL)
         mjobs = [] if a.skip_matrix else [pool.apply_async(_mutant_worker, ((n, a.matrix_spec, 0),)) for n in names]
         per = -(-a.clean_examples // a.procs)

@@ -11,7 +11,13 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==${MLA_FUZZ_TORCH:-2.13.0}"
 fi
 need_install=0
-"$PY" -c "import triton, hypothesis, numpy, pytest, xdist, rich, mla_ref" >/dev/null 2>&1 || need_install=1
+# From outside the checkout, so that only an install (not the working directory) satisfies
+# it; the entry point's target tells a current install from one of an older layout.
+(cd / && "$PY" -c "
+import triton, hypothesis, numpy, pytest, xdist, rich, mla_fuzz.harness.cli
+from importlib.metadata import entry_points
+assert [e.value for e in entry_points(group='console_scripts') if e.name == 'mla-fuzz'] == ['mla_fuzz.harness.cli:main']
+") >/dev/null 2>&1 || need_install=1
 if grep -q '^mla-fuzz = ' pyproject.toml && ! command -v mla-fuzz >/dev/null 2>&1; then need_install=1; fi
 if [ "$need_install" = 1 ]; then
     echo "[setup] installing mla-fuzz and its dependencies"

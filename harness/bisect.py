@@ -491,7 +491,7 @@ def run_bisect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.bisect ...`` (same arguments as ``mla-fuzz bisect``)."""
+    """``python -m mla_fuzz.harness.bisect ...`` (same arguments as ``mla-fuzz bisect``)."""
     p = configure_parser(argparse.ArgumentParser(prog=PROG, description=DESCRIPTION))
     return run_bisect(p.parse_args(argv))
 

@@ -16,9 +16,12 @@ It has two halves:
 Import rule in the child: the worktree (plus any ``--path`` dirs) is first on
 ``sys.path``, so the revision's modules shadow installed ones, including setuptools
 editable installs (their finder is appended to ``sys.meta_path`` and so is consulted
-after the path-based one). The tool's own ``mla_ref`` and ``harness`` (the oracle and the
-replay machinery) are pinned to the copies of the running tool: the judge must not change
-from commit to commit, and old revisions of this very repository may predate it.
+after the path-based one). The tool's own ``mla_fuzz.mla_ref`` and ``mla_fuzz.harness``
+(the oracle and the replay machinery) are pinned to the copies of the running tool: the
+judge must not change from commit to commit, and old revisions of this very repository
+may predate it. ``mla_fuzz.kernels`` (the ``triton`` backend) comes from the revision's
+``kernels/`` folder when it has one; revisions from before the ``mla_fuzz`` namespace
+import ``mla_ref`` as a top-level name, which is aliased to the pinned oracle.
 """
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ EXIT_GOOD, EXIT_BAD, EXIT_SKIP = 0, 1, 125
 EXIT_FOR = {"good": EXIT_GOOD, "bad": EXIT_BAD, "skip": EXIT_SKIP}
 ON_CRASH = ("bad", "skip")
 #: Packages judged by revision must not replace the judge: loaded from the running tool.
-PINNED = ("mla_ref", "harness")
+PINNED = ("mla_fuzz.mla_ref", "mla_fuzz.harness")
+#: The folder that holds the tool's ``mla_ref/``, ``kernels/`` and ``harness/`` (the
+#: repository root of a checkout, ``site-packages/mla_fuzz`` of a wheel).
 TOOL_ROOT = Path(__file__).resolve().parent.parent
 #: Prefix of the one-line progress reports the driver relays to the user.
 PROGRESS = "[mla-fuzz-bisect] "
@@ -308,8 +313,9 @@ def supervise(config_path: str, phase: str) -> int:
 # --------------------------------------------------------------------------- replay child
 
 def _load_pinned(name: str) -> None:
-    """Import the running tool's copy of package ``name`` whatever ``sys.path`` says."""
-    pkg = TOOL_ROOT / name
+    """Import the running tool's copy of subpackage ``name`` (``mla_fuzz.X``) whatever
+    ``sys.path`` says."""
+    pkg = TOOL_ROOT / name.rpartition(".")[2]
     spec = importlib.util.spec_from_file_location(name, pkg / "__init__.py", submodule_search_locations=[str(pkg)])
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot pin {name} from {pkg}")
@@ -320,6 +326,18 @@ def _load_pinned(name: str) -> None:
     except BaseException:
         del sys.modules[name]
         raise
+    setattr(sys.modules["mla_fuzz"], name.rpartition(".")[2], mod)
+
+
+def _namespace(roots: list[str]) -> None:
+    """A fresh ``mla_fuzz`` package whose subpackages are looked up in the revision's
+    roots first (its ``kernels/``), then in the tool's."""
+    import types
+    ns = types.ModuleType("mla_fuzz", "mla-fuzz, assembled for one bisect step")
+    ns.__path__ = [*roots, str(TOOL_ROOT)]
+    for name in [n for n in sys.modules if n == "mla_fuzz" or n.startswith("mla_fuzz.")]:
+        del sys.modules[name]
+    sys.modules["mla_fuzz"] = ns
 
 
 def setup_imports(cfg: dict, pin: bool = True) -> None:
@@ -329,14 +347,13 @@ def setup_imports(cfg: dict, pin: bool = True) -> None:
     sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != here]
     roots = [str(Path(cfg["worktree"], p).resolve()) for p in cfg.get("paths") or ["."]]
     sys.path[:0] = [r for r in roots if r not in sys.path[:len(roots)]]
-    # Last resort for the tool's own packages (``kernels`` for 'triton' and the mutants)
-    # when it runs from a source tree that is not installed: after everything else, so
-    # the revision and any installed copy still win.
-    if str(TOOL_ROOT) not in sys.path:
-        sys.path.append(str(TOOL_ROOT))
     importlib.invalidate_caches()
+    _namespace(roots)
     for name in PINNED if pin else ():
         _load_pinned(name)
+    if pin:
+        # Revisions from before the namespace import the oracle as ``mla_ref``.
+        sys.modules["mla_ref"] = sys.modules["mla_fuzz.mla_ref"]
 
 
 def _choose_interpreter(cfg: dict) -> None:
@@ -382,8 +399,8 @@ def child_main(config_path: str, result_path: str, diagnose: bool) -> int:
             load = None
         else:
             _choose_interpreter(cfg)
-            from harness.loading import load_backend as load
-            from harness.repro import replay_repro as replay
+            from mla_fuzz.harness.loading import load_backend as load
+            from mla_fuzz.harness.repro import replay_repro as replay
         for item in cfg["repros"]:
             data, ref = item["data"], cfg.get("backend") or item["data"]["backend"]
             if load is not None:
@@ -393,10 +410,10 @@ def child_main(config_path: str, result_path: str, diagnose: bool) -> int:
                     text = str(exc).splitlines()[0] if str(exc) else ""
                     result.update(status="untestable", detail=f"backend {ref!r} cannot be loaded here: "
                                   f"{type(exc).__name__}: {text}" if not isinstance(exc, ValueError) else text)
-                    result["modules"] = _module_files(("kernels", *PINNED, ref.partition(":")[0]))
+                    result["modules"] = _module_files(("mla_fuzz.kernels", *PINNED, ref.partition(":")[0]))
                     write()
                     return 0
-                result["modules"] = _module_files(("kernels", *PINNED, getattr(cls, "__module__", "")))
+                result["modules"] = _module_files(("mla_fuzz.kernels", *PINNED, getattr(cls, "__module__", "")))
             res = replay(data, backend=ref, graph_mode=cfg.get("graph_mode"), diagnose_failure=diagnose)
             failure = res.failure
             diag = res.diagnosis

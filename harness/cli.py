@@ -317,7 +317,7 @@ def cmd_replay(args) -> int:
             mode = "emulated"  # as replay_repro does: graph semantics kept, no GPU needed
         _use_interpreter_here(mode)
         isolate = args.isolate
-        if isolate is None and "kernels" in sys.modules and _interp_mismatch(mode):
+        if isolate is None and "mla_fuzz.kernels" in sys.modules and _interp_mismatch(mode):
             isolate = True
         backend = args.backend or data["backend"]
         print(f"== {path}\nbackend {backend}, graph {mode}" + (" (in a worker process)" if isolate or (

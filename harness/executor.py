@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-import mla_ref
-from mla_ref import DecodeBatch
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import DecodeBatch
 
 from .audit import OpAudit, OpLog, tensor_fields
 from .graphs import CaptureError, make_runner
@@ -67,7 +67,7 @@ class ScenarioRunner:
         self.backend = self._new_backend()
         self.layer = None
         if cfg.layer:
-            from kernels import MLADecodeLayer
+            from mla_fuzz.kernels import MLADecodeLayer
             self.layer = MLADecodeLayer(self.spec, self.world.weights, self.backend)
         self.strict_contiguity = strict_contiguity
         self.captures: dict[int, Captured] = {}

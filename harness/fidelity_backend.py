@@ -12,8 +12,8 @@ Import this module (or list it in ``MLA_FUZZ_FIDELITY_MODULES``) to register the
 from __future__ import annotations
 
 
-from kernels import MLADecodeLayer, TritonMLABackend
-from mla_ref import ModelSpec
+from mla_fuzz.kernels import MLADecodeLayer, TritonMLABackend
+from mla_fuzz.mla_ref import ModelSpec
 
 from .executor import nan_fill_uninitialised
 from .graphs.fidelity import ScenarioRun, scenario

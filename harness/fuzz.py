@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from hypothesis.errors import HypothesisException
 
-from mla_ref import ModelSpec
+from mla_fuzz.mla_ref import ModelSpec
 
 from .diagnosis import diagnose
 from .graphs import make_runner

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from mla_ref import ModelSpec
+from mla_fuzz.mla_ref import ModelSpec
 
 
 def load_backend(ref: str):
@@ -19,7 +19,7 @@ def load_backend(ref: str):
     if not isinstance(ref, str) or not ref:
         raise ValueError(f"backend must be 'triton', 'mutant:NAME' or 'package.module:Class', got {ref!r}")
     if ref == "triton":
-        from kernels import TritonMLABackend
+        from mla_fuzz.kernels import TritonMLABackend
         return TritonMLABackend
     if ref.startswith("mutant:") or ":" not in ref:
         # mutants are imported only when asked for: a user's backend must not depend on them

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, precondition, rule
 
-from mla_ref import ModelSpec
+from mla_fuzz.mla_ref import ModelSpec
 
 from .executor import ScenarioRunner
 from .loading import supports_layer, supports_sparse

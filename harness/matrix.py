@@ -23,10 +23,10 @@ def load_mutants() -> tuple[dict, dict]:
     try:
         from . import mutants
     except Exception as exc:
-        raise ValueError(f"harness.mutants cannot be imported ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"mla_fuzz.harness.mutants cannot be imported ({type(exc).__name__}: {exc})") from None
     all_ = getattr(mutants, "ALL", None)
     if not isinstance(all_, dict) or not all_:
-        raise ValueError("harness.mutants.ALL is missing or empty")
+        raise ValueError("mla_fuzz.harness.mutants.ALL is missing or empty")
     return all_, dict(getattr(mutants, "EXPECTED", {}) or {})
 
 

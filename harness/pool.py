@@ -1,6 +1,6 @@
 """Worker processes for a campaign: start, feed, watch, restart.
 
-Each worker is ``python -m harness.worker`` (see there for the protocol) started with
+Each worker is ``python -m mla_fuzz.harness.worker`` (see there for the protocol) started with
 ``subprocess`` -- never ``fork`` -- in its own session, with its own environment: one GPU
 each via ``CUDA_VISIBLE_DEVICES``, set before the child imports torch. Because it has its
 own session, the terminal's Ctrl-C reaches only the parent, which then stops the workers
@@ -129,7 +129,7 @@ class Pool:
             env["PYTHONUNBUFFERED"] = "1"
             try:
                 w.proc = subprocess.Popen(
-                    [self.python, "-m", "harness.worker", "--fd", str(wfd)], stdin=subprocess.PIPE,
+                    [self.python, "-m", "mla_fuzz.harness.worker", "--fd", str(wfd)], stdin=subprocess.PIPE,
                     stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(wfd,), start_new_session=True)
             finally:
                 os.close(wfd)

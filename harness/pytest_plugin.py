@@ -1,6 +1,6 @@
 """pytest plugin (entry point ``pytest11``): run the property suite on any backend.
 
-    pytest --pyargs harness.suite --mla-backend=mypkg.backend:MyBackend --mla-graph=emulated
+    pytest --pyargs mla_fuzz.harness.suite --mla-backend=mypkg.backend:MyBackend --mla-graph=emulated
 
 Options: ``--mla-backend`` (default ``triton``), ``--mla-graph`` (default ``auto``),
 ``--mla-examples`` (fuzz examples per test, default 40), ``--mla-spec`` (``tiny``).
@@ -23,7 +23,7 @@ def pytest_addoption(parser):
 @pytest.fixture(scope="session")
 def mla_backend_ref(request) -> str:
     """The backend reference given by ``--mla-backend``, checked to load."""
-    from harness.loading import load_backend
+    from mla_fuzz.harness.loading import load_backend
 
     ref = request.config.getoption("--mla-backend")
     try:

@@ -13,7 +13,7 @@ COVERAGE_LABEL = {"kv_dtype": "kv", "mtp": "MTP", "padding": "padding", "seq_len
 
 def spec_label(spec: dict) -> str:
     """``tiny (8 heads)``, ``deepseek-v3`` or ``custom (rank 256, rope 32, 16 heads)``."""
-    from mla_ref import ModelSpec
+    from mla_fuzz.mla_ref import ModelSpec
     try:
         s = ModelSpec.from_dict(spec)
     except (ValueError, TypeError):

@@ -50,7 +50,7 @@ class ScenarioConfig:
         return self.page_size * self.max_pages_per_seq
 
     def validate(self) -> None:
-        from mla_ref import KV_DTYPES, ModelSpec
+        from mla_fuzz.mla_ref import KV_DTYPES, ModelSpec
 
         ModelSpec.from_dict(self.spec)
         if self.kv_dtype not in KV_DTYPES:

@@ -12,7 +12,7 @@ import functools
 
 from hypothesis import strategies as st
 
-from mla_ref import ModelSpec
+from mla_fuzz.mla_ref import ModelSpec
 
 from .scenario import ScenarioConfig
 

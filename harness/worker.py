@@ -1,6 +1,6 @@
 """The worker process of a campaign: runs fuzz chunks and step lists for its parent.
 
-Started by ``harness.pool`` as ``python -m harness.worker --fd N`` with its environment
+Started by ``harness.pool`` as ``python -m mla_fuzz.harness.worker --fd N`` with its environment
 (``CUDA_VISIBLE_DEVICES``, ``TRITON_INTERPRET``, thread counts) already set, so the
 choice of GPU is made before torch or CUDA is imported here.
 
@@ -65,7 +65,7 @@ def _check_parent() -> None:
 
 def _fuzz_task(task: dict) -> dict:
     """Run one ``harness.fuzz.fuzz`` chunk with the in-flight hooks installed."""
-    from harness import fuzz as fuzz_mod
+    from mla_fuzz.harness import fuzz as fuzz_mod
 
     tid = task["id"]
     budget_s = task.get("budget_s")
@@ -97,11 +97,11 @@ def _fuzz_task(task: dict) -> dict:
 def _replay_task(task: dict) -> dict:
     """Run a step list in order (crash reduction, isolated replay), one ``step`` message
     before each step, then diagnose a failure if asked."""
-    from harness.diagnosis import diagnose
-    from harness.executor import ScenarioRunner
-    from harness.loading import load_backend
-    from harness.oracles import OracleFailure
-    from harness.scenario import ScenarioConfig, validate_step
+    from mla_fuzz.harness.diagnosis import diagnose
+    from mla_fuzz.harness.executor import ScenarioRunner
+    from mla_fuzz.harness.loading import load_backend
+    from mla_fuzz.harness.oracles import OracleFailure
+    from mla_fuzz.harness.scenario import ScenarioConfig, validate_step
 
     tid = task["id"]
     backend_cls = load_backend(task["backend"])
@@ -133,7 +133,7 @@ def _replay_task(task: dict) -> dict:
 
 def _versions() -> dict:
     try:
-        from harness.repro import versions
+        from mla_fuzz.harness.repro import versions
         return versions()
     except Exception as exc:  # the repro module may not import in a broken install
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -141,7 +141,7 @@ def _versions() -> dict:
 
 def main(argv=None) -> int:
     global _FD, _STOP
-    ap = argparse.ArgumentParser(prog="python -m harness.worker")
+    ap = argparse.ArgumentParser(prog="python -m mla_fuzz.harness.worker")
     ap.add_argument("--fd", type=int, required=True, help="file descriptor for messages to the parent")
     args = ap.parse_args(argv)
     _FD = args.fd
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         import importlib
 
         import torch  # (import cost is paid before 'ready', not inside a task)
-        importlib.import_module("harness.fuzz")
+        importlib.import_module("mla_fuzz.harness.fuzz")
         threads = os.environ.get("MLA_FUZZ_TORCH_THREADS")
         if threads:
             torch.set_num_threads(int(threads))

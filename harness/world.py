@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-import mla_ref
-from mla_ref import DecodeBatch, ModelSpec
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import DecodeBatch, ModelSpec
 
 from .scenario import ScenarioConfig
 

@@ -70,7 +70,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mla_ref import DecodeBatch, ModelSpec
+from mla_fuzz.mla_ref import DecodeBatch, ModelSpec
 
 from . import ops
 from .config import DecodeConfig, check_spec_supported, default_config

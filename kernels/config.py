@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from mla_ref import ModelSpec
+from mla_fuzz.mla_ref import ModelSpec
 
 __all__ = ["DecodeConfig", "interpreting", "default_config", "next_pow2", "check_spec_supported",
            "interpreter_release_semantics"]

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from mla_ref import ModelSpec
+from mla_fuzz.mla_ref import ModelSpec
 
 from . import ops
 from .checks import check_tensor

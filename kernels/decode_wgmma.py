@@ -505,7 +505,7 @@ def mark_unavailable(error: BaseException) -> None:
     global UNAVAILABLE
     if UNAVAILABLE is None:
         UNAVAILABLE = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-        warnings.warn(f"kernels.decode_wgmma: the Hopper Gluon decode did not build with this Triton "
+        warnings.warn(f"mla_fuzz.kernels.decode_wgmma: the Hopper Gluon decode did not build with this Triton "
                       f"({UNAVAILABLE}); using the Triton decode kernel instead", RuntimeWarning, stacklevel=3)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_ref.fp8 import dequantize_kv_fp8
+from mla_fuzz.mla_ref.fp8 import dequantize_kv_fp8
 
 from .checks import check_device, check_tensor
 from .decode import token_context
@@ -82,7 +82,7 @@ def indexer_topk(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     flat = kv_cache.reshape(kv_cache.shape[0] * page, kv_cache.shape[-1])
     rows = flat[slots.reshape(-1)]
     if kv_cache.dtype == torch.uint8:
-        from mla_ref import ModelSpec
+        from mla_fuzz.mla_ref import ModelSpec
         spec = ModelSpec(kv_lora_rank=rank, qk_rope_head_dim=rope_dim, fp8_group=fp8_group)
         keys = dequantize_kv_fp8(rows, spec=spec, dtype=torch.float64)
     else:

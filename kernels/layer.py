@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mla_ref import (MLALayerWeights, ModelSpec, absorb_q, compress_kv, o_project, project_q,
+from mla_fuzz.mla_ref import (MLALayerWeights, ModelSpec, absorb_q, compress_kv, o_project, project_q,
                      unabsorb_out)
 
 __all__ = ["MLADecodeLayer", "decode_positions"]

@@ -1,4 +1,4 @@
-"""``python -m mla_ref.demo``: naive vs absorbed layer decode on one random batch.
+"""``python -m mla_fuzz.mla_ref.demo``: naive vs absorbed layer decode on one random batch.
 
 Builds a random MTP decode batch (ragged seq lens, mixed q lens, shuffled physical pages,
 a prefilled latent cache), runs both layer forms on identical copies of the cache and
@@ -66,7 +66,7 @@ def build_demo_batch(spec: ModelSpec, *, batch: int, max_seq_len: int, next_n: i
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m mla_ref.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mla_fuzz.mla_ref.demo", description=__doc__.splitlines()[0])
     p.add_argument("--spec", default="deepseek-v3", help="'tiny' or 'deepseek-v3' (default)")
     p.add_argument("--heads", type=int, default=None, help="override the spec's num_heads")
     p.add_argument("--batch", type=int, default=4)

@@ -28,7 +28,7 @@ FP8_AMAX_FLOOR = 2.0 ** -100
 
 # The scale bytes are defined as little-endian; ``Tensor.view`` reinterprets in host order.
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
-    raise ImportError("mla_ref.fp8 assumes a little-endian host (the FP8 cache layout is little-endian)")
+    raise ImportError("mla_fuzz.mla_ref.fp8 assumes a little-endian host (the FP8 cache layout is little-endian)")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

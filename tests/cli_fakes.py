@@ -26,7 +26,7 @@ import time
 
 import torch
 
-import mla_ref
+from mla_fuzz import mla_ref
 
 
 class RefBackend:

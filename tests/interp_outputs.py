@@ -15,10 +15,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from harness.executor import ScenarioRunner  # noqa: E402
-from harness.loading import load_backend  # noqa: E402
-from harness.scenario import ScenarioConfig  # noqa: E402
-from mla_ref import ModelSpec  # noqa: E402
+from mla_fuzz.harness.executor import ScenarioRunner  # noqa: E402
+from mla_fuzz.harness.loading import load_backend  # noqa: E402
+from mla_fuzz.harness.scenario import ScenarioConfig  # noqa: E402
+from mla_fuzz.mla_ref import ModelSpec  # noqa: E402
 
 
 def _step(op, size, seqs, qls, mdl, seed=1, **kw):

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 from hypothesis import strategies as st
 
-import mla_ref
-from mla_ref import ModelSpec
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import ModelSpec
 
 Q_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from hypothesis import strategies as st
 
-from mla_ref import ModelSpec, quantize_kv_fp8, dequantize_kv_fp8
+from mla_fuzz.mla_ref import ModelSpec, quantize_kv_fp8, dequantize_kv_fp8
 
 # rank 32 + rope 8 in groups of 16, and the standard tiny spec with odd head counts
 MICRO = ModelSpec(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_heads=2,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import bisect as bis
-from harness import bisect_step as step
+from mla_fuzz.harness import bisect as bis
+from mla_fuzz.harness import bisect_step as step
 
 STEP = str(Path(step.__file__).resolve())
 
@@ -85,9 +85,9 @@ def alive(pid: int, grace: float = 10.0) -> bool:
 
 def tiny_repro(backend="userbk.backend:Backend") -> dict:
     """A valid repro (one eager step of the tiny spec) for the stand-in replays."""
-    from harness.repro import FORMAT
-    from harness.scenario import ScenarioConfig
-    from mla_ref import ModelSpec
+    from mla_fuzz.harness.repro import FORMAT
+    from mla_fuzz.harness.scenario import ScenarioConfig
+    from mla_fuzz.mla_ref import ModelSpec
     cfg = ScenarioConfig(spec=ModelSpec.tiny().to_dict())
     step0 = {"op": "eager", "batch": {"seed": 0, "seq_lens": [3], "q_lens": [1], "max_decode_len": 1},
              "pad_to": None, "poison": False}
@@ -286,8 +286,8 @@ def test_step_guard_never_aborts_git(cmd, code):
 
 def test_revision_shadows_editable_install_but_not_the_judge(tmp_path):
     """The worktree's `kernels` wins over our editable install; mla_ref/harness stay the tool's."""
-    import kernels
-    import mla_ref
+    from mla_fuzz import kernels
+    from mla_fuzz import mla_ref
     assert Path(kernels.__file__).resolve().parent != tmp_path / "wt" / "kernels"
     wt = tmp_path / "wt"
     (wt / "kernels").mkdir(parents=True)
@@ -299,13 +299,15 @@ def test_revision_shadows_editable_install_but_not_the_judge(tmp_path):
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"worktree": str(wt), "paths": ["."]}))
     env = step.child_env({"worktree": str(wt), "paths": ["."]})
-    r = subprocess.run([sys.executable, STEP, "--probe", str(cfg), "kernels"], cwd=wt, env=env,
+    r = subprocess.run([sys.executable, STEP, "--probe", str(cfg), "mla_fuzz.kernels", "mla_ref"], cwd=wt, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     files = json.loads(r.stdout.strip().splitlines()[-1])
-    assert Path(files["kernels"]).resolve() == (wt / "kernels" / "__init__.py").resolve()
+    assert Path(files["mla_fuzz.kernels"]).resolve() == (wt / "kernels" / "__init__.py").resolve()
+    assert Path(files["mla_fuzz.mla_ref"]).resolve() == Path(mla_ref.__file__).resolve()
+    # revisions from before the namespace import the oracle top-level: the same pinned copy
     assert Path(files["mla_ref"]).resolve() == Path(mla_ref.__file__).resolve()
-    assert Path(files["harness"]).resolve().parent == Path(step.__file__).resolve().parent
+    assert Path(files["mla_fuzz.harness"]).resolve().parent == Path(step.__file__).resolve().parent
 
 
 # --------------------------------------------------------------------------- whole bisects (stand-in)
@@ -446,7 +448,7 @@ def test_interrupt_resets_and_removes_worktree(tmp_path, sig):
     d.mkdir()
     repro = write_repro(tmp_path / "r.json", tiny_repro())
     env = dict(os.environ, STANDIN_DIR=str(d))
-    proc = subprocess.Popen([sys.executable, "-m", "harness.bisect", "--repo", str(repo), "--good", shas[0],
+    proc = subprocess.Popen([sys.executable, "-m", "mla_fuzz.harness.bisect", "--repo", str(repo), "--good", shas[0],
                              "--bad", shas[-1], "--no-check-ends", "--replay-impl", "standin:replay", str(repro)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=Path(bis.__file__).resolve().parent.parent)
@@ -477,7 +479,7 @@ LAZY_OVERRIDE = '''
 def userbk_source(edit: int, buggy: bool) -> str:
     return textwrap.dedent(f'''
         """A user's decode backend: our Triton backend with their own tweaks."""
-        from kernels import TritonMLABackend
+        from mla_fuzz.kernels import TritonMLABackend
 
         TWEAK_LEVEL = {edit}
 
@@ -511,9 +513,9 @@ def lazy_repro(backend="userbk.backend:Backend", page_size=16, long_len=120) -> 
     a different summation (one piece instead of a split): replay != eager in the last bits.
     ``long_len`` must make the two sums differ: at 64-key CPU tiles 100 happened to give
     the same bits, 120 does not."""
-    from harness.repro import FORMAT
-    from harness.scenario import ScenarioConfig
-    from mla_ref import ModelSpec
+    from mla_fuzz.harness.repro import FORMAT
+    from mla_fuzz.harness.scenario import ScenarioConfig
+    from mla_fuzz.mla_ref import ModelSpec
     cfg = ScenarioConfig(spec=ModelSpec.tiny().to_dict(), capture_sizes=[1], page_size=page_size, max_pages_per_seq=8)
     steps = [
         {"op": "capture", "size": 1, "warmups": 1, "share": True,
@@ -540,7 +542,7 @@ def _real_bisect(tmp_path, capsys, extra, repro_data=None):
     res = json.loads(out_json.read_text())
     assert res["first_bad"] == shas[8] and res["subject"] == "c8 plan the scheduler lazily"
     # The harness' own explanation of the mutant's bug (harness.mutants.EXPECTED).
-    from harness.mutants import EXPECTED
+    from mla_fuzz.harness.mutants import EXPECTED
     assert res["diagnosis"]["cls"] in EXPECTED["shared-lazy-sched"]
     assert [s["commit"] for s in res["skipped"]] == [shas[5]]
     for s in res["steps"]:

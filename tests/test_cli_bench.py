@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from harness import cli
-from harness.throughput import TARGET_SCALING, summarize
+from mla_fuzz.harness import cli
+from mla_fuzz.harness.throughput import TARGET_SCALING, summarize
 
 def test_bench_runs_campaigns_and_writes_json(tmp_path, fakes, capsys):
     out_json = tmp_path / "bench.json"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli
-from harness.campaign import CampaignOptions, CampaignRun, worker_envs
-from harness.mps import MpsDaemon, MpsDaemons, MpsError
+from mla_fuzz.harness import cli
+from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, worker_envs
+from mla_fuzz.harness.mps import MpsDaemon, MpsDaemons, MpsError
 
 
 FAKE_CONTROL = """#!{python}

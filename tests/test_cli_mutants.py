@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from harness import cli
-from harness.mutants import ALL, EXPECTED
-from harness.repro import load_repro
+from mla_fuzz.harness import cli
+from mla_fuzz.harness.mutants import ALL, EXPECTED
+from mla_fuzz.harness.repro import load_repro
 
 # Caught at its first capture (an ``.item()`` inside the captured forward): the cheapest
 # mutant to find under the interpreter, so the test measures the command, not the search.

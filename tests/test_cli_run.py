@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness import cli
-from harness.repro import load_repro
+from mla_fuzz.harness import cli
+from mla_fuzz.harness.repro import load_repro
 
 
 def _run(argv, capsys):

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.repro import load_repro
+from mla_fuzz.harness.repro import load_repro
 
 TESTS = str(Path(__file__).resolve().parent)
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -25,7 +25,7 @@ def _env() -> dict:
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "harness.cli", "run", *args], cwd=ROOT, env=_env(),
+    return subprocess.Popen([sys.executable, "-m", "mla_fuzz.harness.cli", "run", *args], cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 

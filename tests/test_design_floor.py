@@ -174,7 +174,7 @@ def test_floor_graphs_gpu(load_benchmark, kv, h, s_q, B, L):
     kb = load_benchmark("kernel_bench")
     from replay_timing import L2Flush, ReadReference
 
-    from mla_ref import ModelSpec
+    from mla_fuzz.mla_ref import ModelSpec
     flush = L2Flush()
     pool = kb.CachePool(ModelSpec(), B * L + 4096)
     reader = ReadReference(B * L * kb.BYTES_PER_TOKEN[kv] + 64, flush)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.planner import plan_reference
+from mla_fuzz.kernels.planner import plan_reference
 
 
 @settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the loader holds no state
@@ -106,7 +106,7 @@ def test_timeline_events_are_ordered_gpu(load_benchmark):
     kt = load_benchmark("kernel_timeline")
     fc = load_benchmark("fixed_cost_bench")
     kb = load_benchmark("kernel_bench")
-    from mla_ref import ModelSpec
+    from mla_fuzz.mla_ref import ModelSpec
     pool = kb.CachePool(ModelSpec(), 8 * 512 + 4096)
     gen = torch.Generator().manual_seed(0)
     for kv, h, kernel in (("bf16", 128, "pp"), ("fp8", 128, "ws64"), ("fp8", 16, "rs"), ("bf16", 16, "kt")):
@@ -143,7 +143,7 @@ def test_without_merge_drops_exactly_the_merge_and_restores(load_benchmark, monk
     rows (so it stores no partial), the combine is not launched, and both launchers are back
     afterwards -- also when the block raises."""
     fc = load_benchmark("fixed_cost_bench")
-    import kernels.ops as ops
+    import mla_fuzz.kernels.ops as ops
     seen = []
     monkeypatch.setattr(ops, "launch_decode_split", lambda *a, **k: seen.append(("decode", a, k)))
     monkeypatch.setattr(ops, "launch_combine", lambda *a, **k: seen.append(("combine", a, k)))
@@ -180,7 +180,7 @@ def test_without_merge_leaves_split_rows_unwritten_and_the_rest_as_shipped_gpu(l
     split requests and nothing else."""
     fc = load_benchmark("fixed_cost_bench")
     kb = load_benchmark("kernel_bench")
-    from mla_ref import ModelSpec
+    from mla_fuzz.mla_ref import ModelSpec
     pool = kb.CachePool(ModelSpec(), 128 * 128 + 4096)
     gen = torch.Generator().manual_seed(0)
     for batch, length, split in ((2, 2048, True), (128, 128, False)):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_ref import ModelSpec
+from mla_fuzz.mla_ref import ModelSpec
 
 _FIXTURE = [HealthCheck.function_scoped_fixture]  # the loader holds no state between examples
 

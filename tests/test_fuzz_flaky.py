@@ -1,7 +1,7 @@
 """A failure that does not reproduce while Hypothesis shrinks it (its Flaky errors) is
 reported as found -- unshrunk, marked flaky, with its diagnosis -- never lost as an
 internal error of the search."""
-from harness.fuzz import fuzz
+from mla_fuzz.harness.fuzz import fuzz
 
 
 def test_a_failure_that_does_not_reproduce_is_reported_not_raised():

@@ -3,7 +3,7 @@ cuda runner's GPU-only guarantees (sync-debug restore, private pools, memory rel
 import pytest
 import torch
 
-from harness.graphs import (MODES, CaptureError, ReplayError, cuda_available, make_runner)
+from mla_fuzz.harness.graphs import (MODES, CaptureError, ReplayError, cuda_available, make_runner)
 
 
 def test_unknown_mode_lists_the_choices():

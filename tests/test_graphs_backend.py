@@ -4,8 +4,8 @@ the CPU emulator here, and identically under real CUDA graphs (gpu)."""
 import pytest
 import torch
 
-from harness.fidelity_backend import TRITON_SCENARIOS
-from harness.graphs.fidelity import SCENARIOS, compare_modes, run_scenario
+from mla_fuzz.harness.fidelity_backend import TRITON_SCENARIOS
+from mla_fuzz.harness.graphs.fidelity import SCENARIOS, compare_modes, run_scenario
 
 
 @pytest.mark.parametrize("name", TRITON_SCENARIOS)
@@ -22,8 +22,8 @@ def test_triton_scenario_meets_its_oracle_emulated(name):
 def test_rebound_metadata_really_differs_from_eager_of_new_batch():
     """The stale scenario is not vacuous: the replay differs from an eager forward of the
     new batch (it computes the capture-time batch instead)."""
-    from harness.fidelity_backend import _ROUNDS, _draw, _Engine
-    from harness.graphs import make_runner
+    from mla_fuzz.harness.fidelity_backend import _ROUNDS, _draw, _Engine
+    from mla_fuzz.harness.graphs import make_runner
 
     eng = _Engine("cpu", graph_safe=False)
     eng.step(_draw(1, [70, 3]))

@@ -5,10 +5,10 @@ import pytest
 import triton
 import triton.language as tl
 
-from harness.graphs import CaptureError, EmulatedRunner, make_runner
-from harness.graphs import toy_ops  # noqa: F401  (registers the mla_fuzz_toy ops)
-from harness.graphs.opclass import ALLOC, EXEC, META, VIEW, classify, host_read_reason
-from harness.graphs.oplog import CudaOpLog
+from mla_fuzz.harness.graphs import CaptureError, EmulatedRunner, make_runner
+from mla_fuzz.harness.graphs import toy_ops  # noqa: F401  (registers the mla_fuzz_toy ops)
+from mla_fuzz.harness.graphs.opclass import ALLOC, EXEC, META, VIEW, classify, host_read_reason
+from mla_fuzz.harness.graphs.oplog import CudaOpLog
 
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda" if ON_GPU else "cpu")

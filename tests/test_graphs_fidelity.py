@@ -6,8 +6,8 @@ import textwrap
 import pytest
 import torch
 
-from harness.graphs import fidelity
-from harness.graphs.fidelity import (SCENARIOS, all_scenarios, bitwise_equal,
+from mla_fuzz.harness.graphs import fidelity
+from mla_fuzz.harness.graphs.fidelity import (SCENARIOS, all_scenarios, bitwise_equal,
                                      compare_modes, compare_results, run_scenario, scenario)
 
 CPU_SCENARIOS = [s.name for s in all_scenarios("cpu")]
@@ -61,7 +61,7 @@ def test_scenario_registry_hook(tmp_path, monkeypatch):
     mod = tmp_path / "extra_fidelity_scenarios.py"
     mod.write_text(textwrap.dedent('''
         import torch
-        from harness.graphs.fidelity import ScenarioRun, scenario
+        from mla_fuzz.harness.graphs.fidelity import ScenarioRun, scenario
 
         @scenario(description="added from outside")
         def extra_outside_scenario(device):

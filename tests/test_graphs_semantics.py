@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from harness.graphs import CaptureError, make_runner
+from mla_fuzz.harness.graphs import CaptureError, make_runner
 
 MODES = [
     pytest.param(("emulated", "cpu"), id="emulated-cpu"),

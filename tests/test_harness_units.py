@@ -6,12 +6,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from harness.audit import OpAudit, OpLog, tensor_fields
-from harness.oracles import compare_bitwise, compare_close, nonfinite_rows
-from harness.repro import ReproError, load_repro, write_repro
-from harness.scenario import ScenarioConfig, validate_step
-from harness.world import POISON_BYTE, World, token_positions
-from mla_ref import ModelSpec
+from mla_fuzz.harness.audit import OpAudit, OpLog, tensor_fields
+from mla_fuzz.harness.oracles import compare_bitwise, compare_close, nonfinite_rows
+from mla_fuzz.harness.repro import ReproError, load_repro, write_repro
+from mla_fuzz.harness.scenario import ScenarioConfig, validate_step
+from mla_fuzz.harness.world import POISON_BYTE, World, token_positions
+from mla_fuzz.mla_ref import ModelSpec
 
 
 def test_compare_close_reports_count_worst_index_and_rows():
@@ -115,8 +115,8 @@ def test_noncontig_context_lens_on_the_sparse_path_is_a_contiguity_failure():
     through ``as_strided`` (no kernel argument is non-contiguous there), which the audit now
     names: the step fails the contiguity oracle, not the reference comparison (found as
     ``numerical`` on an H100 before, benchmarks/results/h100-2026-11-26-gpu-validate-2.json)."""
-    from harness.executor import run_steps
-    from harness.mutants import ALL
+    from mla_fuzz.harness.executor import run_steps
+    from mla_fuzz.harness.mutants import ALL
 
     cfg = _cfg(sparse=True, topk=16, capture_sizes=[1, 2, 8], next_n=2, max_pages_per_seq=8)
     batch = {"seed": 3, "seq_lens": [20, 31, 11, 0], "q_lens": [1, 1, 1, 0], "max_decode_len": 1}
@@ -210,7 +210,7 @@ def test_replay_of_a_hand_built_repro_is_validated():
     """``replay_repro`` on a dict that did not come through ``load_repro`` (edited in a
     script) gets the same checks: a seq_len past the config's pages is a ReproError naming
     the limit, not an IndexError from inside the step."""
-    from harness.repro import replay_repro
+    from mla_fuzz.harness.repro import replay_repro
     cfg = _cfg()
     repro = {"format": "mla-fuzz-repro/1", "backend": "triton", "graph_mode": "emulated", "config": cfg.to_dict(),
              "steps": [{"op": "eager", "batch": {"seed": 1, "seq_lens": [cfg.max_seq_len + 1], "q_lens": [1],

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 from torch.overrides import TorchFunctionMode
 
-from kernels.checks import check_device
-from kernels.config import PLAIN_INTERPRETER_ENV, interpreting
+from mla_fuzz.kernels.checks import check_device
+from mla_fuzz.kernels.config import PLAIN_INTERPRETER_ENV, interpreting
 
 pytestmark = [
     pytest.mark.skipif(not interpreting(), reason="checks Triton's interpreter (TRITON_INTERPRET=1)"),

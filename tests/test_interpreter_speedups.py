@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kernels.config import PLAIN_INTERPRETER_ENV, interpreting
+from mla_fuzz.kernels.config import PLAIN_INTERPRETER_ENV, interpreting
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -46,7 +46,7 @@ def test_speedups_are_installed_by_a_cpu_launch():
     import triton.language.core as core
     from triton.runtime import interpreter
 
-    from kernels.checks import check_device
+    from mla_fuzz.kernels.checks import check_device
 
     if os.environ.get(PLAIN_INTERPRETER_ENV, "0") not in ("", "0"):
         pytest.skip(f"{PLAIN_INTERPRETER_ENV} is set")
@@ -67,7 +67,7 @@ def test_float_conversion_tables_match_triton():
     import triton.language as tl
     from triton.runtime import interpreter
 
-    from kernels.checks import check_device
+    from mla_fuzz.kernels.checks import check_device
 
     check_device(torch.device("cpu"))
     fast = interpreter._convert_float
@@ -97,7 +97,7 @@ def test_cached_block_type_matches_triton():
     import triton.language as tl
     import triton.language.core as core
 
-    from kernels.checks import check_device
+    from mla_fuzz.kernels.checks import check_device
 
     check_device(torch.device("cpu"))
     if not getattr(core.block_type.__init__, "_mla_fuzz", False):

@@ -6,13 +6,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mla_ref
-from mla_ref import DecodeBatch, MLALayerWeights, ModelSpec
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import DecodeBatch, MLALayerWeights, ModelSpec
 
-import kernels
-import kernels.pdl as kpdl
-from kernels import DecodeConfig, MLADecodeLayer, TritonMLABackend, decode_positions, ops
-from kernels.config import SPLIT_ROWS_MAX_BATCH
+from mla_fuzz import kernels
+import mla_fuzz.kernels.pdl as kpdl
+from mla_fuzz.kernels import DecodeConfig, MLADecodeLayer, TritonMLABackend, decode_positions, ops
+from mla_fuzz.kernels.config import SPLIT_ROWS_MAX_BATCH
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
 
 CFG = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1)
@@ -123,7 +123,7 @@ def test_default_configs_follow_the_padded_batch(monkeypatch):
     forward matches the reference under each; the persistent plan buffer is sized for the
     largest of the defaults at batch None, 1 and max_batch, and a default past it is refused
     rather than overrunning it. A given config serves every batch."""
-    import kernels.backend as kb
+    import mla_fuzz.kernels.backend as kb
     asked = []
 
     def fake(spec, s_q, device=None, *, fp8=False, sparse=False, batch=None):
@@ -246,7 +246,7 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, pad, monkeypatc
     FP8 h=16 x 1, and x 2 padded to 4 (two 16-row blocks, config.SPLIT_ROWS_MAX_BATCH), the
     register-operand few-row one, kernels/decode_wgmma_rs.py, bf16 h=16 x 1 and x 2 the TMA
     keys-on-M one, kernels/decode_wgmma_kt.py, in two 16-row blocks at 4 -- asserted)."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     launched = []
     for name in ("launch_decode_wgmma", "launch_decode_wgmma_keys", "launch_decode_wgmma_ws", "launch_decode_wgmma_rs",
                  "launch_decode_wgmma_ws64", "launch_decode_wgmma_pp", "launch_decode_wgmma_kt"):

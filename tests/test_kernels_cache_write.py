@@ -6,10 +6,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mla_ref
-from mla_ref import ModelSpec
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import ModelSpec
 
-from kernels import ops
+from mla_fuzz.kernels import ops
 
 SPEC = ModelSpec.tiny()
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kernels import ops
+from mla_fuzz.kernels import ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SENTINEL = 7.25  # exact in bf16/fp16/fp32: a row left alone keeps it
@@ -88,7 +88,7 @@ def test_combine_many_pieces_over_several_trips(col_blocks, trip):
     of a trip that reads past its request would show. Rank 64: one column block folds piece by
     piece, two and four (32 and 16 columns) load a trip's pieces first
     (``combine.NARROW_COLUMNS``), sixteen a trip while sixteen remain."""
-    from kernels.combine import COMBINE_CHUNK, WIDE_TRIP
+    from mla_fuzz.kernels.combine import COMBINE_CHUNK, WIDE_TRIP
     K = COMBINE_CHUNK if trip == "chunk" else WIDE_TRIP
     g = torch.Generator().manual_seed(11)
     rank, rows = 64, 6
@@ -148,7 +148,7 @@ def test_combine_narrows_its_column_blocks_where_the_grid_would_leave_sms_idle(m
     fills the SMs keeps the config's; the interpreter and CPU tensors always keep it, and so
     does a rank that has no more 32-column blocks than asked for."""
     import types
-    import kernels.combine as kc
+    import mla_fuzz.kernels.combine as kc
     monkeypatch.setattr(kc, "_sm_count", lambda device: 132)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     gpu = types.SimpleNamespace(device=torch.device("cuda", 0))

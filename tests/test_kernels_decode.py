@@ -1,4 +1,4 @@
-"""kernels.mla_decode against mla_ref.mla_decode (CPU interpreter; DeepSeek size on GPU)."""
+"""mla_fuzz.kernels.mla_decode against mla_ref.mla_decode (CPU interpreter; DeepSeek size on GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -6,11 +6,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mla_ref
-from mla_ref import ModelSpec
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import ModelSpec
 
-import kernels
-from kernels import DecodeConfig, SchedState, default_config
+from mla_fuzz import kernels
+from mla_fuzz.kernels import DecodeConfig, SchedState, default_config
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case, spy_launches
 
 # small launch configs that force splits (few parts, 1 tile each minimum) or none
@@ -91,7 +91,7 @@ def test_decode_fp8_paths_interpreter(path, monkeypatch):
     """Each FP8 path against the reference on the edges: 3 x 12 = 36 query rows (row blocks
     of 16 straddle tokens and end part-full), requests split across parts, an empty request,
     a 1-key one, and keys whose scale words are all zero."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     grouped, twin, stages, prefetch = _FP8_PATHS[path]
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
     monkeypatch.setattr(ds, "FP8_TWIN_LOADS", twin)
@@ -111,8 +111,8 @@ def test_decode_fp8_group_counts_interpreter(group, monkeypatch):
     """Rank 64 in 8 groups (dequantise path), 2 and 1 groups (grouped-dot path with a scale
     word shared by quarters). 2 and 1 groups give tokens that are not 16-byte multiples,
     which check_spec_supported refuses for the GPU; the interpreter has no such limit."""
-    import kernels.decode as kdecode
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode as kdecode
+    import mla_fuzz.kernels.decode_split as ds
     monkeypatch.setattr(kdecode, "check_spec_supported", lambda spec: None)
     spec = ModelSpec(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, num_heads=3,
                      q_lora_rank=48, hidden=64, fp8_group=group)
@@ -235,7 +235,7 @@ def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, tma, monkeypatch):
     FP8 paths (kernels.decode_split.FP8_GROUPED_DOTS), with TMA tile loads (FP8_TMA; taken
     on compute capability >= 9 for row blocks <= 32) and without. The cache rows past each
     request's length are NaN (make_case): the TMA boxes load them and must mask them."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
     monkeypatch.setattr(ds, "FP8_TMA", tma)
     seen = _spy_launches(monkeypatch, ds)
@@ -261,7 +261,7 @@ def test_decode_fp8_p_via_memory_gpu(heads, s_q, bn, stages, on, monkeypatch):
     whose 64-row block is half or more padding; every program of the persistent grid writes
     and reads its own scratch slot between CTA barriers, concurrently; a long request split
     over many parts, short ones, empty ones, NaN past every length."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     monkeypatch.setattr(ds, "P_VIA_MEMORY", on)
     seen = _spy_kwargs(monkeypatch, ds, "P_MEM", "GROUPED", "num_stages")
     spec = ModelSpec(num_heads=heads)
@@ -283,7 +283,7 @@ def test_decode_fp8_tma_stages_gpu(s_q, stages, grouped, monkeypatch):
     """The TMA path at the pipeline depths the benchmark's ``--tma`` times (h=16, the shipped
     configs at 64-key tiles -- the TMA shape at page 64 -- with num_stages 2-4, NaN past every
     request's length)."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability >= 9")
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
@@ -306,7 +306,7 @@ def test_decode_fp8_tma_stages_gpu(s_q, stages, grouped, monkeypatch):
 def test_fp8_grouped_path_only_for_small_row_blocks():
     """64-row blocks (h=128) keep the dequantise path: the grouped one spills there (module
     doc of kernels.decode_split); the choice follows the row block, not the spec alone."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     assert ds.fp8_grouped_dots(512, 128, 16) and ds.fp8_grouped_dots(512, 128, 32)
     assert not ds.fp8_grouped_dots(512, 128, 64) and not ds.fp8_grouped_dots(512, 128, 128)
     spec = ModelSpec.tiny(num_heads=16)
@@ -334,7 +334,7 @@ def test_decode_fp8_p_via_memory_interpreter(name, monkeypatch, e4m3_nan):
     kernels.decode_split): P and alpha reach the PV dot through the program's scratch slot,
     the rope dot comes first. Against the reference for bf16 and fp32 q, with the launch
     checked to have taken the path (48 query rows: 16 of the block's rows are padding)."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     page, bn, parts, pf, seq, ql = _PMEM_CASES[name]
     monkeypatch.setattr(ds, "P_VIA_MEMORY", True)
     seen = _spy_kwargs(monkeypatch, ds, "P_MEM", "GROUPED")
@@ -350,13 +350,13 @@ def test_fp8_p_via_memory_choice(monkeypatch):
     """Which launches hand P through memory: FP8 caches on the dequantise path in row blocks
     of at least P_MEM_MIN_BLOCK_M (the CUDA default for h=128 FP8), with the switch on; the
     switch off gives the former kernel, which matches the reference too."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     monkeypatch.setattr(ds, "P_VIA_MEMORY", True)
     assert ds.fp8_p_via_memory(True, False, 64) and ds.fp8_p_via_memory(True, False, 128)
     assert not ds.fp8_p_via_memory(True, True, 64)   # grouped path
     assert not ds.fp8_p_via_memory(False, False, 64)  # 16-bit cache: barriers would stop the pipeliner
     assert not ds.fp8_p_via_memory(True, False, 32)
-    import kernels.decode_wgmma as dw
+    import mla_fuzz.kernels.decode_wgmma as dw
     cuda = torch.device("cuda")
     monkeypatch.setattr(dw, "WGMMA_DECODE", False)  # a GPU without the Hopper Gluon kernel
     h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
@@ -383,8 +383,8 @@ def test_fp8_path_choice_follows_config(monkeypatch):
     s_q=2, whose 32 rows take the 64-row block, and h=128); on CPU the
     fuzzer's small row counts dequantise up to 16 rows, so both paths get fuzzed. A config
     with ``fp8_grouped=False`` still matches the reference (the launcher honours it)."""
-    import kernels.decode_split as ds
-    import kernels.decode_wgmma as dw
+    import mla_fuzz.kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_wgmma as dw
     cuda = torch.device("cuda")
     h16 = ModelSpec(num_heads=16)
     # a GPU without the Hopper Gluon kernel: the Triton kernel's blocks
@@ -461,8 +461,8 @@ def test_cuda_defaults_split_h16_x2_rows_in_two_blocks_at_small_batches(monkeypa
     half the SMs' parts (one program a part and block), parts of two tiles; larger batches and
     ``batch=None`` keep the one-block defaults, as do 16 rows, h=128, the tiny spec, non-Hopper
     devices and the few-row kernels' switches off. ``mla_decode`` passes its batch size."""
-    import kernels.decode_wgmma as dw
-    from kernels.config import SPLIT_ROWS_MAX_BATCH, _sm_count
+    import mla_fuzz.kernels.decode_wgmma as dw
+    from mla_fuzz.kernels.config import SPLIT_ROWS_MAX_BATCH, _sm_count
     cuda = torch.device("cuda")
     h16 = ModelSpec(num_heads=16)
     monkeypatch.setattr(dw, "WGMMA_DECODE", True)
@@ -574,7 +574,7 @@ def test_decode_fp8_tma_interpreter(name, monkeypatch, e4m3_nan):
     """The FP8 TMA path (forced on under the interpreter) against the reference: both FP8
     paths, page sizes that are multiples of block_n, NaN in every cache row past a request's
     length (codes made NaN for real by ``e4m3_nan``), split requests, bf16 and fp32 q."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     grouped, page, bn, seq, ql = _TMA_CASES[name]
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
     monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", True)
@@ -591,7 +591,7 @@ def test_decode_fp8_tma_interpreter(name, monkeypatch, e4m3_nan):
 def test_decode_fp8_tma_falls_back_when_tiles_cross_pages(monkeypatch, e4m3_nan):
     """page_size % block_n != 0: a tile may span two pages, so no box covers it and the
     pointer path runs (still exact against the reference)."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", True)
     seen = _spy_launches(monkeypatch, ds)
     spec = ModelSpec.tiny(num_heads=4)
@@ -615,8 +615,8 @@ def test_fp8_tma_plan_host_decision(monkeypatch):
     pipelined (num_stages=1 is read as FP8_TMA_STAGES); not on 8.x, not
     with the switch off, not for 64-row blocks, not for a misaligned or non-contiguous cache;
     off on a CPU tensor unless FP8_TMA_ANY_DEVICE; deep pipelines are cut to the smem budget."""
-    import kernels.decode_split as ds
-    import kernels.decode_wgmma as dw
+    import mla_fuzz.kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_wgmma as dw
     # the Triton kernel's defaults (on Hopper, h=16 FP8 runs the Gluon 64-row kernel: no TMA plan)
     monkeypatch.setattr(dw, "WGMMA_DECODE", False)
     cuda = torch.device("cuda")
@@ -679,7 +679,7 @@ def tma_case(draw):
 @given(tma_case())
 def test_decode_fp8_tma_random_interpreter(monkeypatch, e4m3_nan, args):
     """Random batches through the forced TMA path (both FP8 paths) against the reference."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     heads, s_q, page, bn, seq, ql, grouped, parts, seed = args
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
     monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", True)
@@ -701,7 +701,7 @@ def _spy_kwargs(monkeypatch, ds, *names):
     """Record the constexprs ``names`` of every decode_split launch (a tuple per launch).
     The Triton kernel's paths are what such a test checks, so the Hopper Gluon kernel
     (kernels/decode_wgmma.py, which would take 64-row blocks of 64 keys) is switched off."""
-    import kernels.decode_wgmma as dw
+    import mla_fuzz.kernels.decode_wgmma as dw
     monkeypatch.setattr(dw, "WGMMA_DECODE", False)
     return spy_launches(monkeypatch, ds, "_decode_split_kernel", *names)
 
@@ -770,7 +770,7 @@ def test_decode_fp8_fp16_dots_interpreter(path, monkeypatch, e4m3_nan):
     the per-row power-of-two scaling), at its threshold, tiny, zero, and NaN / inf padding
     rows next to real ones; NaN cache slots past every request (made real NaN codes by
     ``e4m3_nan``), split requests, an empty request and all-zero scale groups."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     twin, stages, prefetch, tma, page, bn = _F16_PATHS[path]
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
     monkeypatch.setattr(ds, "FP8_FP16_DOTS", True)
@@ -799,7 +799,7 @@ def test_decode_fp8_fp16_dots_gpu(s_q, stages, prefetch, tma, f16, monkeypatch):
     """The grouped FP8 path at DeepSeek size (h=16) with the fp16 dots on (and off) through
     each load variant: TMA (16 rows, compute capability 9), twin loads (num_stages >= 2),
     the register prefetch; query rows far outside fp16's range, NaN past every request."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
     monkeypatch.setattr(ds, "FP8_FP16_DOTS", f16)
     monkeypatch.setattr(ds, "FP8_TMA", tma)
@@ -827,7 +827,7 @@ def test_decode_fp8_fp16_dots_switch(monkeypatch):
     the launch is today's bf16-dot path. Both match the reference, and under the interpreter
     they differ (the fp16 rounding of ``P * sc`` is really executed), while fp32 and fp16
     queries and the dequantise path never take it."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS")
     spec = ModelSpec.tiny(num_heads=4)
     case = make_case(spec, seq_lens=[33, 7, 0, 50], q_lens=[2, 1, 0, 2], s_q=2, page_size=4, kv_dtype="fp8",
@@ -863,8 +863,8 @@ def _load_fp8_bench(monkeypatch):
     import os
     import sys
 
-    import kernels.decode_split as ds
-    import kernels.decode_wgmma as dw
+    import mla_fuzz.kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_wgmma as dw
     for name in ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS", "P_VIA_MEMORY"):
         monkeypatch.setattr(ds, name, getattr(ds, name))
     monkeypatch.setattr(dw, "WGMMA_DECODE", dw.WGMMA_DECODE)
@@ -919,7 +919,7 @@ def test_fp8_bench_f16_plan(monkeypatch, capsys):
 def count_stores(monkeypatch):
     """Count the interpreter's stores and loads made inside decode_split launches (one
     entry per launch, with the launch's ``part_info`` / ``num_splits`` / ``split_offsets``)."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     from triton.runtime import interpreter as interp
     cls = type(interp.interpreter_builder)
     original_store, original_load = cls.create_masked_store, cls.create_masked_load
@@ -1026,7 +1026,7 @@ def test_decode_split_empty_requests_with_the_gpu_structure(kv, monkeypatch):
     """On the GPU an empty request's body runs with no tile (``SKIP_EMPTY`` off): its stores
     are still skipped, so real rows match the reference and empty ones are 0 / -inf, also
     for pieces cut inside requests (``num_parts=3``)."""
-    import kernels.decode_split as ds
+    import mla_fuzz.kernels.decode_split as ds
     monkeypatch.setattr(ds, "SKIP_EMPTY_ON_INTERPRETER", False)
     spec = ModelSpec.tiny(num_heads=3)
     cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)

@@ -8,7 +8,7 @@ import types
 
 import torch
 
-import kernels.pdl as kpdl
+import mla_fuzz.kernels.pdl as kpdl
 
 
 def _on(monkeypatch, device, capability, *, switch=True, interpret="0", cuda="13.0"):

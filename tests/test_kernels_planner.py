@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kernels import DecodeConfig, ops, plan_reference
-from kernels import planner as planner_mod
+from mla_fuzz.kernels import DecodeConfig, ops, plan_reference
+from mla_fuzz.kernels import planner as planner_mod
 
 
 def run_planner(seq_lens, num_parts, block_n, min_tiles, device="cpu"):

@@ -7,12 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mla_ref
-from mla_ref import DecodeBatch, IndexerWeights, ModelSpec
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import DecodeBatch, IndexerWeights, ModelSpec
 
-import kernels
-from kernels import DecodeConfig, TritonMLABackend, host_context_lens
-from kernels.indexer import indexer_topk
+from mla_fuzz import kernels
+from mla_fuzz.kernels import DecodeConfig, TritonMLABackend, host_context_lens
+from mla_fuzz.kernels.indexer import indexer_topk
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
 
 _CPU_CONFIGS = [DecodeConfig(block_m=16, block_n=16, num_parts=p, min_tiles_per_part=1, num_stages=1)

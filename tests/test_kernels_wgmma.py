@@ -13,13 +13,13 @@ import itertools
 import pytest
 import torch
 
-import mla_ref
-from mla_ref import ModelSpec
+from mla_fuzz import mla_ref
+from mla_fuzz.mla_ref import ModelSpec
 
-import kernels
-import kernels.decode_split as ds
-import kernels.decode_wgmma as dw
-from kernels import default_config
+from mla_fuzz import kernels
+import mla_fuzz.kernels.decode_split as ds
+import mla_fuzz.kernels.decode_wgmma as dw
+from mla_fuzz.kernels import default_config
 from kernels_cases import TOL_GPU, assert_decode_close, make_case, spy_launches
 
 _KW = dict(rank=512, rope_dim=64, block_m=64, block_n=64, num_warps=8)
@@ -515,7 +515,7 @@ def test_decode_wgmma_ws64_matches_reference_gpu(heads, s_q, page, big_q, parts,
     (``W64_STAGE_PART_PARTS_PER_REQUEST``; the 9000-key request ends a piece in most parts), both
     forced here (by default each only in launches of few / many parts a request), or both
     straight from the accumulator; the launch says which."""
-    import kernels.decode_wgmma_ws64 as dws64
+    import mla_fuzz.kernels.decode_wgmma_ws64 as dws64
     monkeypatch.setattr(dws64, "W64_STAGE_OUT_PARTS_PER_REQUEST", 10**6 if staged else 0)
     monkeypatch.setattr(dws64, "W64_STAGE_PART_PARTS_PER_REQUEST", 0 if staged else None)
     launches = spy_launches(monkeypatch, dws64, "_decode_ws64_kernel", "STAGE_OUT", "STAGE_PART")
@@ -546,7 +546,7 @@ def test_decode_wgmma_ws64_few_rows_gpu(heads, s_q, page, big_q, parts, consumer
     request), h=20 and h=12 x 2 (padding rows inside the 32), h=16 x 1. Requests, NaN
     poisoning, ``big_q`` and ``parts`` as in the test above. The kernel's launch says which
     consumer ran, in how many warps, beside how many producer warps."""
-    import kernels.decode_wgmma_ws64 as dws64
+    import mla_fuzz.kernels.decode_wgmma_ws64 as dws64
     keys = consumer != "64-row"
     if consumer == "keys-1wg":
         assert dws64.W64_KEYS_WARPS == 4  # the shipped consumer
@@ -588,7 +588,7 @@ def test_decode_wgmma_pp_matches_reference_gpu(heads, s_q, page, kv, big_q, part
     ``staged``: unsplit requests' ``out`` through each warpgroup's own buffer
     (``PP_STAGE_OUT_PARTS_PER_REQUEST``, forced here; by default only launches of few parts a
     request) or straight from the accumulator, the launch's choice asserted."""
-    import kernels.decode_wgmma_pp as dpp
+    import mla_fuzz.kernels.decode_wgmma_pp as dpp
     monkeypatch.setattr(dw, "WGMMA_PP", pp)
     monkeypatch.setattr(dpp, "PP_STAGE_OUT_PARTS_PER_REQUEST", 10**6 if staged else 0)
     launches = spy_launches(monkeypatch, dpp, "_decode_pp_kernel", "STAGE_OUT")
@@ -630,12 +630,12 @@ def test_decode_wgmma_build_failure_falls_back_gpu(kernel, heads, s_q, kv, monke
     h=16 FP8 s_q=1 and the warp-specialised few-row one there with it off, the warp-specialised
     64-row one at h=128 FP8, the TMA one at h=16 bf16 s_q=1: the CUDA defaults that reach each)."""
     from triton.runtime.errors import OutOfResources
-    import kernels.decode_wgmma_keys as dk
-    import kernels.decode_wgmma_ws as dws
-    import kernels.decode_wgmma_ws64 as dws64
-    import kernels.decode_wgmma_pp as dpp
-    import kernels.decode_wgmma_rs as drs
-    import kernels.decode_wgmma_kt as dkt
+    import mla_fuzz.kernels.decode_wgmma_keys as dk
+    import mla_fuzz.kernels.decode_wgmma_ws as dws
+    import mla_fuzz.kernels.decode_wgmma_ws64 as dws64
+    import mla_fuzz.kernels.decode_wgmma_pp as dpp
+    import mla_fuzz.kernels.decode_wgmma_rs as drs
+    import mla_fuzz.kernels.decode_wgmma_kt as dkt
     monkeypatch.setattr(dw, "UNAVAILABLE", None)
     monkeypatch.setattr(dw, "WGMMA_RS", kernel == "_decode_rs_kernel")
     # the 64-row kernel runs 16-bit caches with the ping-pong one switched off; the keys-on-M

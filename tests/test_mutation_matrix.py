@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from harness.fuzz import fuzz
-from harness.mutants import ALL, EXPECTED
-from harness.repro import replay_repro
+from mla_fuzz.harness.fuzz import fuzz
+from mla_fuzz.harness.mutants import ALL, EXPECTED
+from mla_fuzz.harness.repro import replay_repro
 
 SEED = 0
 MAX_EXAMPLES = 300

@@ -1,2 +1,2 @@
 """Our own backend through the shipped property suite (harness/suite), as a user would run it."""
-from harness.suite.test_properties import *  # noqa: F401,F403
+from mla_fuzz.harness.suite.test_properties import *  # noqa: F401,F403

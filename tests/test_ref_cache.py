@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mla_ref import ModelSpec, dequantize_kv_fp8, gather_kv, make_kv_cache, quantize_kv_fp8, write_kv_cache
+from mla_fuzz.mla_ref import ModelSpec, dequantize_kv_fp8, gather_kv, make_kv_cache, quantize_kv_fp8, write_kv_cache
 from ref_cases import MICRO, SMALL_SPECS
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=40)

@@ -4,7 +4,7 @@ import time
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mla_ref import ModelSpec, dequantize_kv_fp8, mla_decode
+from mla_fuzz.mla_ref import ModelSpec, dequantize_kv_fp8, mla_decode
 from ref_cases import (MICRO, assert_close_rows, assert_lse_close, build_case, dense_params,
                        masked_softmax_attention, oracle_dense)
 

@@ -1,11 +1,11 @@
-"""`python -m mla_ref.demo` runs end to end and reports every request."""
+"""`python -m mla_fuzz.mla_ref.demo` runs end to end and reports every request."""
 import re
 import runpy
 import sys
 
 import pytest
 
-from mla_ref.demo import main
+from mla_fuzz.mla_ref.demo import main
 
 
 def test_demo_tiny_passes_and_prints_each_row(capsys):
@@ -21,7 +21,7 @@ def test_demo_tiny_passes_and_prints_each_row(capsys):
 def test_demo_module_entry_point_exits_zero(monkeypatch, capsys):
     """The `python -m` path (the __main__ guard and sys.exit), run in-process to skip a
     second interpreter start-up."""
-    monkeypatch.setattr(sys, "argv", ["mla_ref.demo", "--spec", "tiny", "--batch", "2", "--dtype", "bf16",
+    monkeypatch.setattr(sys, "argv", ["mla_fuzz.mla_ref.demo", "--spec", "tiny", "--batch", "2", "--dtype", "bf16",
                                       "--max-seq-len", "20"])
     # With the project installed editable (the README's set-up), pytest's assertion rewriter
     # claims its packages (they ship the pytest plugin) and, having no get_code, breaks
@@ -30,9 +30,9 @@ def test_demo_module_entry_point_exits_zero(monkeypatch, capsys):
     # (not the rewritten one this file imported) by the finders other than the rewriter
     monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
                                            if type(f).__name__ != "AssertionRewritingHook"])
-    monkeypatch.delitem(sys.modules, "mla_ref.demo", raising=False)
+    monkeypatch.delitem(sys.modules, "mla_fuzz.mla_ref.demo", raising=False)
     with pytest.raises(SystemExit) as info:
-        runpy.run_module("mla_ref.demo", run_name="__main__", alter_sys=True)
+        runpy.run_module("mla_fuzz.mla_ref.demo", run_name="__main__", alter_sys=True)
     assert info.value.code == 0
     assert "worst relative error" in capsys.readouterr().out
 

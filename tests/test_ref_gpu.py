@@ -3,7 +3,7 @@ place) and agrees with its CPU self."""
 import pytest
 import torch
 
-from mla_ref import (MLALayerWeights, ModelSpec, mla_decode, mla_layer_decode_absorbed, mla_layer_decode_naive,
+from mla_fuzz.mla_ref import (MLALayerWeights, ModelSpec, mla_decode, mla_layer_decode_absorbed, mla_layer_decode_naive,
                      quantize_fp8_per_tensor, quantize_kv_fp8)
 from ref_cases import build_case
 

@@ -4,7 +4,7 @@ import math
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mla_ref import (MLALayerWeights, ModelSpec, apply_rope, make_kv_cache, mla_layer_decode_absorbed,
+from mla_fuzz.mla_ref import (MLALayerWeights, ModelSpec, apply_rope, make_kv_cache, mla_layer_decode_absorbed,
                      mla_layer_decode_naive, o_project, quantize_fp8_per_tensor, quantize_kv_fp8, rms_norm)
 from ref_cases import MICRO, SMALL_SPECS, assert_close_rows
 

@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from mla_ref import (MLALayerWeights, apply_rope, gather_kv, make_kv_cache, mla_decode, mla_layer_decode_absorbed,
+from mla_fuzz.mla_ref import (MLALayerWeights, apply_rope, gather_kv, make_kv_cache, mla_decode, mla_layer_decode_absorbed,
                      mla_layer_decode_naive, quantize_kv_fp8, write_kv_cache)
 from ref_cases import MICRO
 

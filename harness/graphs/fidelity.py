@@ -15,7 +15,7 @@ recorded op names. The emulator is only trusted in CI because these agree on a G
 
 Extending: the Triton backend's scenarios register the same way from any module::
 
-    from harness.graphs.fidelity import ScenarioRun, scenario
+    from mla_fuzz.harness.graphs.fidelity import ScenarioRun, scenario
 
     @scenario(description="...")
     def my_backend_replay(device):

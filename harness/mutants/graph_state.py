@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 
-from kernels import TritonMLABackend, plan_reference
-from kernels.sched import SchedState
+from mla_fuzz.kernels import TritonMLABackend, plan_reference
+from mla_fuzz.kernels.sched import SchedState
 
 
 class StaleFP8Metadata(TritonMLABackend):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import TritonMLABackend
+from mla_fuzz.kernels import TritonMLABackend
 
 
 class IndexerTwoDContextLens(TritonMLABackend):

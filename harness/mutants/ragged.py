@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import TritonMLABackend
+from mla_fuzz.kernels import TritonMLABackend
 
 
 class RaggedFreshAlloc(TritonMLABackend):

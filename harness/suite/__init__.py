@@ -1,2 +1,2 @@
 """The backend property suite, importable so users can run it on their own backend:
-``pytest --pyargs harness.suite --mla-backend=pkg.mod:Class`` (see harness.pytest_plugin)."""
+``pytest --pyargs mla_fuzz.harness.suite --mla-backend=pkg.mod:Class`` (see harness.pytest_plugin)."""

@@ -13,13 +13,13 @@ import tempfile
 
 import pytest
 
-from harness.diagnosis import diagnose
-from harness.executor import run_steps
-from harness.fuzz import default_device, fuzz, resolve_mode
-from harness.loading import load_backend, supports_layer
-from harness.repro import make_repro, write_repro
-from harness.scenario import ScenarioConfig
-from mla_ref import ModelSpec
+from mla_fuzz.harness.diagnosis import diagnose
+from mla_fuzz.harness.executor import run_steps
+from mla_fuzz.harness.fuzz import default_device, fuzz, resolve_mode
+from mla_fuzz.harness.loading import load_backend, supports_layer
+from mla_fuzz.harness.repro import make_repro, write_repro
+from mla_fuzz.harness.scenario import ScenarioConfig
+from mla_fuzz.mla_ref import ModelSpec
 
 
 def _cfg(spec: str, **kw) -> ScenarioConfig:
