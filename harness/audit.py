@@ -31,18 +31,19 @@ _FLAT_READS = ("aten::as_strided",)
 
 @dataclass
 class KernelCall:
-    """One custom-op call: its name and, per tensor argument, (index, ptr, shape, stride, contiguous)."""
+    """One custom-op call: its name and, per tensor argument, (index, ptr, shape, stride,
+    contiguous, storage ptr)."""
 
     op: str
-    tensors: list[tuple[int, int, tuple, tuple, bool]]
+    tensors: list[tuple[int, int, tuple, tuple, bool, int]]
 
 
 @dataclass
 class OpLog:
     ops: list[str] = field(default_factory=list)
     kernels: list[KernelCall] = field(default_factory=list)
-    # builtin flat reads (``_FLAT_READS``) of non-contiguous tensors: shape, strides
-    flat_reads: list[tuple[str, tuple, tuple]] = field(default_factory=list)
+    # builtin flat reads (``_FLAT_READS``) of non-contiguous tensors: op, shape, strides, storage ptr
+    flat_reads: list[tuple[str, tuple, tuple, int]] = field(default_factory=list)
 
     @property
     def custom_ops(self) -> list[str]:
@@ -52,16 +53,18 @@ class OpLog:
         """Data pointers of every tensor handed to a custom kernel."""
         return {t[1] for k in self.kernels for t in k.tensors}
 
-    def noncontiguous(self) -> list[str]:
+    def noncontiguous(self, storages: set[int] | None = None) -> list[str]:
         """Human-readable list of non-contiguous tensors handed to custom kernels or read
-        flat by a builtin (``as_strided``)."""
+        flat by a builtin (``as_strided``); with ``storages``, only views of those storages
+        (the metadata's)."""
         out = []
         for k in self.kernels:
-            for idx, _ptr, shape, stride, contig in k.tensors:
-                if not contig:
+            for idx, _ptr, shape, stride, contig, storage in k.tensors:
+                if not contig and (storages is None or storage in storages):
                     out.append(f"{k.op} argument #{idx}: shape {list(shape)} strides {list(stride)}")
-        for op, shape, stride in self.flat_reads:
-            out.append(f"{op} (reads its input flat) of a view with shape {list(shape)} strides {list(stride)}")
+        for op, shape, stride, storage in self.flat_reads:
+            if storages is None or storage in storages:
+                out.append(f"{op} (reads its input flat) of a view with shape {list(shape)} strides {list(stride)}")
         return out
 
 
@@ -87,13 +90,20 @@ class OpAudit(TorchDispatchMode):
         if name.split("::")[0] not in _BUILTIN_NAMESPACES:
             flat, _ = tree_flatten((args, kwargs))
             tensors = [
-                (i, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.is_contiguous())
+                (i, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.is_contiguous(), _storage(t))
                 for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
             ]
             self.log.kernels.append(KernelCall(name, tensors))
         elif name in _FLAT_READS and args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
-            self.log.flat_reads.append((name, tuple(args[0].shape), tuple(args[0].stride())))
+            self.log.flat_reads.append((name, tuple(args[0].shape), tuple(args[0].stride()), _storage(args[0])))
         return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # tensors without storage (fake, functional wrappers)
+        return -1
 
 
 def tensor_fields(obj, prefix: str = "", depth: int = 0, seen: set | None = None) -> dict[str, torch.Tensor]:

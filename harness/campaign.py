@@ -64,6 +64,10 @@ class CampaignOptions:
     # with ``mps``: MPS daemons already running (harness.mps.MpsDaemons, one per GPU; a bench shares them
     # across campaigns); None = start a private one for this campaign
     mps_daemons: object = None
+    # the user's narrowing of the backend's capabilities (``Capabilities.narrow`` keywords)
+    narrow: dict = field(default_factory=dict)
+    # judge every tensor a kernel gets for contiguity, not only the metadata's views
+    strict_contiguity: bool = False
 
 
 @dataclass
@@ -97,6 +101,8 @@ class CampaignResult:
     steps: int = 0
     chunks: int = 0
     coverage: dict = field(default_factory=dict)
+    unsupported: Counter = field(default_factory=Counter)  # reason -> scenarios the backend declined
+    capabilities: dict | None = None                  # what was drawn (``Capabilities.to_dict``)
     findings: dict = field(default_factory=dict)      # signature -> Finding
     failures: Counter = field(default_factory=Counter)  # diagnosis class -> occurrences
     restarts: int = 0
@@ -123,6 +129,7 @@ class CampaignResult:
             "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
             "cases_per_s": round(self.rate, 3), "chunks": self.chunks, "restarts": self.restarts,
             "interrupted": self.interrupted, "coverage": self.coverage,
+            "capabilities": self.capabilities, "narrow": o.narrow, "unsupported": dict(self.unsupported),
             "failures_by_class": dict(self.failures),
             "failures": [f.to_dict() for f in self.findings.values()], "errors": self.errors,
             "warnings": self.warnings,
@@ -190,6 +197,7 @@ class CampaignRun:
         self._live: dict[str, _Live] = {}
         self._reducers: dict[str, StepReducer] = {}   # signature -> reducer
         self._reducing: dict[str, str] = {}           # task id -> signature
+        self._known: set[str] = set()                 # failure keys found so far (oracles.failure_key)
         self._stopping = False
         self._hard = False
         self._stop_sent = False
@@ -330,7 +338,8 @@ class CampaignRun:
         self._live[tid] = _Live()
         return {"op": "fuzz", "id": tid, "backend": opts.backend, "graph": opts.graph, "spec": opts.spec,
                 "examples": n, "seed": chunk_seed(opts.seed, k), "budget_s": self._time_left(), "shrink": True,
-                "shrink_seconds": shrink_seconds(opts.budget_s), "chunk": k}
+                "shrink_seconds": shrink_seconds(opts.budget_s), "chunk": k, "narrow": opts.narrow,
+                "strict_contiguity": opts.strict_contiguity, "known": sorted(self._known)}
 
     def _work_left(self) -> bool:
         if self._chunks_left():
@@ -424,6 +433,9 @@ class CampaignRun:
             self.result.examples += int(rep.get("examples") or 0)
             self.result.steps += int(rep.get("steps") or 0)
             merge_coverage(self.result.coverage, rep.get("coverage"))
+            self.result.unsupported.update(rep.get("unsupported") or {})
+            if rep.get("capabilities") and self.result.capabilities is None:
+                self.result.capabilities = rep["capabilities"]
             if rep.get("lost"):
                 self.result.warnings.append(
                     f"chunk {task.get('chunk')} (seed {task.get('seed')}) was ended by the budget or a stop while "
@@ -479,6 +491,9 @@ class CampaignRun:
         sig = signature(repro)
         cls = (repro.get("diagnosis") or {}).get("cls") or "unknown"
         self.result.failures[cls] += 1
+        key = (repro.get("failure") or {}).get("key")
+        if key:
+            self._known.add(key)  # later chunks search past it
         old = self.result.findings.get(sig)
         if old is not None:
             old.count += 1

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import narrowing
 from .atomic import write_text_atomic
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -88,6 +89,11 @@ def _build_parser() -> _Parser:
     target.add_argument("--graph", default="auto", choices=GRAPHS,
                         help="graph mode (default auto: cuda with a GPU, else emulated)")
     target.add_argument("--spec", default="tiny", choices=SPECS, help="model dimensions (default tiny)")
+    scope = run.add_argument_group("scope", "narrow what is drawn below what the backend declares "
+                                   "(its `capabilities`; docs/backends.md#capabilities)")
+    narrowing.add_arguments(scope)
+    scope.add_argument("--strict-contiguity", action="store_true",
+                       help="flag any non-contiguous tensor a kernel gets, not only views of the metadata")
     lim = run.add_argument_group("limits")
     lim.add_argument("--budget", default=None, metavar="DURATION",
                      help=f"wall-clock budget: 90, 60s, 5m, 1h (default {DEFAULT_BUDGET_S:g}s; none when only "
@@ -228,6 +234,25 @@ def _check_backend(ref: str) -> None:
         raise UsageError(f"--backend: {exc}") from None
 
 
+def _narrow(args) -> dict:
+    try:
+        return narrowing.parse(vars(args))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _capabilities_text(ref: str, narrow: dict, mode: str) -> tuple[str, list[str]]:
+    """The effective capabilities as one line, and notices; UsageError when the narrowing
+    leaves nothing to draw."""
+    from .loading import effective_capabilities, load_backend
+    cpu = mode == "emulated" or not _cuda()
+    try:
+        caps, notes = effective_capabilities(load_backend(ref), narrow, cpu=cpu)
+    except ValueError as exc:
+        raise UsageError(f"--backend {ref}: {exc}") from None
+    return caps.describe(), notes
+
+
 def write_json(path: str | os.PathLike, obj) -> Path:
     """Atomic JSON write (temp file + rename): a reader never sees half a report."""
     return write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
@@ -254,15 +279,21 @@ def cmd_run(args) -> int:
     chunk = DEFAULT_CHUNK if args.chunk is None else _positive_int("--chunk", args.chunk)
     seed, case_timeout, workers = _seed(args.seed), _case_timeout(args.case_timeout), _workers(args.workers)
     mode = _resolve_mode(args.graph)
+    narrow = _narrow(args)
     _check_backend(backend)
+    caps_line, notes = _capabilities_text(backend, narrow, mode)
     _check_mps(args.mps, mode)
     opts = CampaignOptions(backend=backend, graph=mode, spec=args.spec, budget_s=budget, examples=examples, seed=seed,
                            corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
-                           case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce, mps=args.mps)
+                           case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce, mps=args.mps,
+                           narrow=narrow, strict_contiguity=args.strict_contiguity)
     print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {args.spec}, seed {seed}, "
           f"{len(opts.worker_envs)} worker(s){' under MPS' if args.mps else ''}, "
           + ("no time limit" if budget is None else f"budget {budget:g}s")
           + ("" if examples is None else f", {examples} examples"), file=sys.stderr, flush=True)
+    print(f"capabilities: {caps_line}", file=sys.stderr, flush=True)
+    for n in notes:
+        print(n, file=sys.stderr, flush=True)
     display = None if args.quiet else make_progress()
     try:
         if display is not None:

@@ -1,10 +1,15 @@
 """Diagnosis: turn an oracle failure into a bug class with evidence.
 
 Classes: ``stale-address``, ``laziness``, ``contiguity``, ``padding-leak``,
-``cache-corruption``, ``host-sync``, ``numerical``, ``crash``. The direct oracles
-(address, contiguity, integrity, host read in capture, crash) name their class. Output
-mismatches are explained by *experiments*, each a deterministic re-run of the scenario
-with one thing changed:
+``cache-corruption``, ``host-sync``, ``numerical``, ``backend-error``, ``contract``,
+``custom-op``, ``capture-divergence``, ``crash`` (a process death, see ``crash_repro``).
+The direct oracles (contiguity, integrity, host read in capture, backend error, output
+contract, custom-op) name their class. Output mismatches and moved addresses are explained
+by *experiments*, each a deterministic re-run of the scenario with one thing changed:
+
+0. (backends with ``build_for_capture``) capturing with ``build`` instead: if the failure
+   disappears, the capture-time metadata path diverges from the replay path (SGLang's
+   separate capture/replay builders) -> capture-divergence;
 
 1. poisoning off: if the failure disappears, NaN placed only in padding reached real
    rows -> padding-leak (also when only seq_len-0 rows are wrong: padding-shaped rows);
@@ -34,7 +39,7 @@ from .oracles import OracleFailure
 from .scenario import ScenarioConfig
 
 CLASSES = ("stale-address", "laziness", "contiguity", "padding-leak", "cache-corruption", "host-sync",
-           "numerical", "crash")
+           "numerical", "backend-error", "contract", "custom-op", "capture-divergence", "crash")
 
 
 @dataclass
@@ -55,18 +60,26 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
              graph_mode: str, device=None) -> Diagnosis:
     """Classify ``failure`` (raised at ``steps[failure.step]``) by the experiments above."""
     o = failure.oracle
-    direct = {"address": "stale-address", "contiguity": "contiguity", "integrity": "cache-corruption",
-              "host-sync": "host-sync"}
+    direct = {"contiguity": "contiguity", "integrity": "cache-corruption", "host-sync": "host-sync",
+              "backend-error": "backend-error", "contract": "contract", "custom-op": "custom-op"}
     if o in direct:
-        return Diagnosis(direct[o], _direct_text(o, failure), o)
-    if o == "crash":
-        return Diagnosis("crash", f"the backend raised during step {failure.step} "
-                         f"({steps[failure.step]['op']}): {failure.message}", o)
+        return Diagnosis(direct[o], _direct_text(o, failure, steps), o)
 
     rerun = lambda s: run_steps(backend_cls, cfg, s, graph_mode, device)  # noqa: E731
     k = failure.step
     upto = steps[: k + 1]
     failing = steps[k]
+
+    # 0. the capture-time build path against the replay path
+    if (graph_mode != "eager" and callable(getattr(backend_cls, "build_for_capture", None))
+            and any(s["op"] == "capture" for s in upto)
+            and run_steps(backend_cls, cfg, upto, graph_mode, device, capture_build=False) is None):
+        return Diagnosis("capture-divergence", "with the capture built by build() (the replay path) the failure "
+                         "vanishes: the metadata build_for_capture() makes for the captured graph disagrees with what "
+                         "build() writes at replay (other buffers, other values or sizes; SGLang's separate capture "
+                         "and replay metadata paths). " + failure.message, o)
+    if o == "address":
+        return Diagnosis("stale-address", _direct_text(o, failure, steps), o)
 
     # 1. poisoning off
     if any(s.get("poison") for s in upto):
@@ -171,8 +184,13 @@ def _missing_kernels(backend_cls, cfg, steps_to_capture: list[dict], graph_mode:
     return sorted(set(log.custom_ops) - set(captured))
 
 
-def _direct_text(oracle: str, f: OracleFailure) -> str:
+def _direct_text(oracle: str, f: OracleFailure, steps: list[dict]) -> str:
+    op = steps[f.step]["op"] if f.step is not None and f.step < len(steps) else "?"
     lead = {
+        "backend-error": f"the backend raised during step {f.step} ({op}); the first error and where it was raised: ",
+        "contract": "forward's return value breaks the output contract (shape, dtype or device of out or lse; "
+                    "capabilities declare the lse convention): ",
+        "custom-op": "the backend launches a Triton kernel directly, which the graph emulator cannot record: ",
         "address": "the address audit saw a metadata tensor that the captured graph reads move between builds "
                    "(the builder allocates fresh tensors instead of copying into persistent buffers, vLLM #35175): ",
         "contiguity": "a kernel was handed a non-contiguous view it may index flat (vLLM #42135: a "

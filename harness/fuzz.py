@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from hypothesis.errors import HypothesisException
+from hypothesis.errors import HypothesisException, Unsatisfiable
 
 from mla_fuzz.mla_ref import ModelSpec
 
 from .diagnosis import diagnose
 from .graphs import make_runner
-from .loading import load_backend
+from .loading import effective_capabilities, load_backend
 from .machine import BudgetExhausted, Campaign, search
 from .repro import make_repro
 
@@ -34,6 +34,11 @@ class FuzzReport:
     repro: dict | None = None
     coverage: dict = field(default_factory=dict)
     shrink_runs: int = 0  # scenarios re-run while shrinking (not counted in ``examples``)
+    # reason -> scenarios the backend declined (``mla_ref.Unsupported`` / NotImplementedError)
+    unsupported: dict = field(default_factory=dict)
+    # failure key -> times a failure this campaign already reported was seen again
+    known: dict = field(default_factory=dict)
+    capabilities: dict = field(default_factory=dict)  # what was drawn (``Capabilities.to_dict``)
 
     @property
     def failed(self) -> bool:
@@ -54,25 +59,30 @@ def default_device(mode: str) -> str:
 
 def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = "auto", examples: int = 100,
          seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
-         step_count: int = 6, max_pages: int | None = None, strict_contiguity: bool = True,
-         on_step=None, shrink_seconds: float | None = None, should_stop=None, on_phase=None) -> FuzzReport:
+         step_count: int = 6, max_pages: int | None = None, strict_contiguity: bool = False,
+         on_step=None, shrink_seconds: float | None = None, should_stop=None, on_phase=None,
+         narrow: dict | None = None, known=()) -> FuzzReport:
     """Search ``backend_ref`` for up to ``examples`` scenarios (or ``budget_s`` seconds).
 
     Returns a ``FuzzReport``; when a failure is found its minimal repro (with diagnosis)
-    is in ``report.repro``. Hooks: ``on_step(cfg, steps)`` before each step (and with no
-    steps before each scenario's backend is built), ``should_stop()`` polled between
-    scenarios, ``on_phase(name, info)`` before the diagnosis re-runs (``"diagnose"``).
+    is in ``report.repro``. Scenarios are drawn inside the backend's capabilities, narrowed
+    by ``narrow`` (``Capabilities.narrow`` keywords); failures whose key is in ``known``
+    (``oracles.failure_key``: already reported) do not end the search. Hooks:
+    ``on_step(cfg, steps)`` before each step (and with no steps before each scenario's
+    backend is built), ``should_stop()`` polled between scenarios, ``on_phase(name, info)``
+    before the diagnosis re-runs (``"diagnose"``).
     """
     spec = ModelSpec.from_name(spec) if isinstance(spec, str) else spec
     backend_cls = load_backend(backend_ref)
     mode = resolve_mode(graph_mode)
     device = device or default_device(mode)
+    caps, _notes = effective_capabilities(backend_cls, narrow, cpu=str(device).startswith("cpu"))
     big = spec.num_heads > 16
     camp = Campaign(backend_cls, spec, mode, device,
                     max_pages=max_pages or (4 if big else 8),
                     page_sizes=(64,) if big else (4, 16, 64), vary_heads=not big,
                     strict_contiguity=strict_contiguity, on_step=on_step,
-                    should_stop=should_stop)
+                    should_stop=should_stop, caps=caps, known=frozenset(known or ()))
     t0 = time.monotonic()
     if budget_s is not None:
         camp.deadline = t0 + budget_s
@@ -93,13 +103,15 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
         if camp.first_failure is not None:
             found = camp.first_failure
             flaky = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        elif stopped:
+        elif stopped or isinstance(exc, Unsatisfiable):
+            # Unsatisfiable: every scenario was declined or already known; the counts say so
             found = None
         else:
             raise
     report = FuzzReport(backend_ref, mode, seed, camp.stats["examples"], camp.stats["steps"],
                         time.monotonic() - t0, coverage=camp.stats["coverage"],
-                        shrink_runs=camp.stats.get("shrink_runs", 0))
+                        shrink_runs=camp.stats.get("shrink_runs", 0), unsupported=camp.stats["unsupported"],
+                        known=camp.stats["known"], capabilities=caps.to_dict())
     if found is not None:
         first = camp.stats.get("first_failure", {})
         report.examples_to_detect = first.get("examples")

@@ -10,15 +10,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis import HealthCheck, Phase, Verbosity, reject, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, precondition, rule
 
-from mla_fuzz.mla_ref import ModelSpec
+from mla_fuzz.mla_ref import Capabilities, ModelSpec
 
-from .executor import ScenarioRunner
+from .executor import ScenarioRunner, StepUnsupported
 from .loading import supports_layer, supports_sparse
-from .oracles import OracleFailure
+from .oracles import OracleFailure, failure_key
 from .scenario import ScenarioConfig
 from .strategies import batch_draws, configs
 
@@ -44,8 +44,14 @@ class Campaign:
     max_pages: int = 8
     page_sizes: tuple = (4, 16, 64)
     vary_heads: bool = True
-    strict_contiguity: bool = True
-    stats: dict = field(default_factory=lambda: {"examples": 0, "steps": 0, "coverage": {}})
+    strict_contiguity: bool = False
+    # what the backend declares (narrowed by the user): scenarios are drawn inside it
+    caps: Capabilities = field(default_factory=Capabilities)
+    # failure keys (``oracles.failure_key``) already reported by this campaign: seeing one
+    # again does not end the search, so a frequent failure cannot hide a rare one
+    known: frozenset = frozenset()
+    stats: dict = field(default_factory=lambda: {"examples": 0, "steps": 0, "coverage": {}, "unsupported": {},
+                                                 "known": {}})
     # The first failure as found (unshrunk): what is left to report when shrinking cannot
     # reproduce it (a flaky failure) and Hypothesis gives up on the search.
     first_failure: FuzzFailure | None = None
@@ -60,6 +66,10 @@ class Campaign:
         cov = self.stats["coverage"].setdefault(key, {})
         cov[str(value)] = cov.get(str(value), 0) + 1
 
+    def count(self, table: str, key: str) -> None:
+        t = self.stats.setdefault(table, {})
+        t[key] = t.get(key, 0) + 1
+
 
 class BudgetExhausted(BaseException):
     """Raised inside a rule when the campaign's wall-clock budget is spent (BaseException so
@@ -68,8 +78,8 @@ class BudgetExhausted(BaseException):
 
 def make_machine(c: Campaign):
     """A state-machine class bound to one campaign."""
-    layer_ok = supports_layer(c.backend_cls)
-    sparse_ok = supports_sparse(c.backend_cls)
+    layer_ok = supports_layer(c.backend_cls) and c.caps.layer
+    sparse_ok = supports_sparse(c.backend_cls) and c.caps.sparse
 
     class DecodeMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -83,11 +93,11 @@ def make_machine(c: Campaign):
             # one strategy object per row bound and scenario: Hypothesis re-validates a
             # fresh strategy object on every draw
             if rows not in self._batch_strategies:
-                self._batch_strategies[rows] = batch_draws(self.cfg, rows)
+                self._batch_strategies[rows] = batch_draws(self.cfg, rows, caps=c.caps)
             return self._batch_strategies[rows]
 
         @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_pages=c.max_pages,
-                                page_sizes=c.page_sizes, sparse_ok=sparse_ok), data=st.data())
+                                page_sizes=c.page_sizes, sparse_ok=sparse_ok, caps=c.caps), data=st.data())
         def setup(self, cfg, data):
             # Out of budget (or asked to stop): end the search between scenarios — unless a
             # failure is being shrunk, which shrink_seconds bounds; stopping then would
@@ -104,7 +114,6 @@ def make_machine(c: Campaign):
             for key in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size", "sparse"):
                 c.note(key, getattr(cfg, key))
             c.note("heads", ModelSpec.from_dict(cfg.spec).num_heads)
-            self.runner = ScenarioRunner(c.backend_cls, cfg, c.graph_mode, c.device, c.strict_contiguity)
             # Every scenario starts with a capture: the bugs we hunt need capture -> replay,
             # and a rule that merely *may* capture wastes most examples on eager-only runs.
             self._capture(data)
@@ -122,10 +131,33 @@ def make_machine(c: Campaign):
                 c.note("seq_len", "0")
             if c.on_step is not None:
                 c.on_step(self.cfg, self.steps)
+            self._guard(lambda: self._apply(step))
+
+        def _apply(self, step: dict) -> None:
+            # the backend is built with the scenario's first step, so a constructor that
+            # raises is that step's failure, with a replayable repro
+            if self.runner is None:
+                self.runner = ScenarioRunner(c.backend_cls, self.cfg, c.graph_mode, c.device, c.strict_contiguity)
+            self.runner.apply(step)
+
+        def _guard(self, fn) -> None:
+            """Run a step (or the backend's construction). An input the backend declines is
+            counted and the scenario dropped (``reject``: neither a failure nor a way for
+            shrinking to slide onto it); a failure already reported by this campaign, or one
+            other than the failure being shrunk, likewise; anything else ends the search."""
             try:
-                self.runner.apply(step)
+                fn()
+            except StepUnsupported as u:
+                c.count("unsupported", u.reason if u.declared else f"{u.reason} (plain NotImplementedError)")
+                reject()
             except OracleFailure as f:
-                c.stats.setdefault("first_failure", {"examples": c.stats["examples"], "time": time.monotonic()})
+                key = failure_key(f)
+                pending = c.stats.get("first_failure")
+                if key in c.known or (pending is not None and pending["key"] != key):
+                    c.count("known", key)
+                    reject()
+                c.stats.setdefault("first_failure", {"examples": c.stats["examples"], "time": time.monotonic(),
+                                                     "key": key})
                 failure = FuzzFailure(f, self.cfg, list(self.steps))
                 if c.first_failure is None:
                     c.first_failure = failure

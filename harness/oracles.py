@@ -18,6 +18,58 @@ OUT_TOL = {torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3), torch.
 LSE_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 
+@dataclass(frozen=True)
+class Oracle:
+    """One oracle: its name (as findings and repros give it), what it checks, when it runs
+    (for people), and the executor phases that run it (``"build"``: after a replay's build;
+    ``"eager"``/``"replay"``: after an eager step's / a replay's forwards; empty: built into
+    every forward or capture)."""
+
+    name: str
+    checks: str
+    when: str
+    phases: tuple = ()
+
+
+#: Every oracle, once. The executor runs the phased ones in this order; the docs and the
+#: README render this table (``oracle_table``; ``tests`` check they match).
+ORACLES = (
+    Oracle("contract", "forward's out/lse: shape, dtype and device as the contract and capabilities say",
+           "every forward"),
+    Oracle("backend-error", "the backend's code raised (the first error of a capture, unwrapped), at its file:line",
+           "every step"),
+    Oracle("host-sync", "no host read or sync while a graph is captured", "capture"),
+    Oracle("custom-op", "every kernel launch is recordable under emulation (a dispatched op)", "emulated capture"),
+    Oracle("contiguity", "no non-contiguous view of the builder's metadata reaches a kernel (strict: any tensor)",
+           "every forward"),
+    Oracle("address", "every metadata tensor the captured graph reads keeps its address across builds",
+           "each replay's build (graph modes)", ("build",)),
+    Oracle("integrity", "KV slots no real token of the step writes are bitwise unchanged", "eager steps, replays",
+           ("eager", "replay")),
+    Oracle("determinism", "an eager forward run twice gives the same bits", "eager steps", ("eager",)),
+    Oracle("finite", "no NaN or inf in real rows", "eager steps, replays", ("eager", "replay")),
+    Oracle("replay-eager", "replay equals an eager forward of the same batch, bit for bit (at the dtype tolerance "
+           "when the backend declares schedule_may_differ)", "replays", ("replay",)),
+    Oracle("reference", "eager (and a tolerance-compared replay) against mla_ref per element, out and lse",
+           "eager steps, replays", ("eager", "replay")),
+)
+
+_TABLE_BEGIN, _TABLE_END = "<!-- oracles:begin -->", "<!-- oracles:end -->"
+
+
+def oracle_table() -> str:
+    """``ORACLES`` as a Markdown table."""
+    rows = ["| oracle | checks | when |", "| --- | --- | --- |"]
+    rows += [f"| `{o.name}` | {o.checks} | {o.when} |" for o in ORACLES]
+    return "\n".join(rows)
+
+
+def render_into(text: str) -> str:
+    """``text`` with the table between its ``<!-- oracles:begin/end -->`` markers replaced."""
+    a, b = text.index(_TABLE_BEGIN) + len(_TABLE_BEGIN), text.index(_TABLE_END)
+    return text[:a] + "\n" + oracle_table() + "\n" + text[b:]
+
+
 class OracleFailure(AssertionError):
     """An oracle fired. ``oracle`` names it; ``evidence`` holds what the diagnosis needs."""
 
@@ -27,6 +79,30 @@ class OracleFailure(AssertionError):
         self.message = message
         self.step = step
         self.evidence = evidence or {}
+
+
+def failure_key(f: OracleFailure) -> str:
+    """What makes two failures different before any diagnosis: the oracle, and for a backend
+    error the exception type and the backend's file:line, for a contract violation the field.
+    Findings are deduplicated by it (with the diagnosis class), so one frequent error cannot
+    hide another."""
+    ev = f.evidence or {}
+    if f.oracle in ("backend-error", "host-sync", "custom-op") and (ev.get("exc_type") or ev.get("site")):
+        return f"{f.oracle}:{ev.get('exc_type', '?')}@{ev.get('site') or '?'}"
+    if f.oracle == "contract" and ev.get("field"):
+        return f"contract:{ev['field']}"
+    return f.oracle
+
+
+def failure_dict(f: OracleFailure) -> dict:
+    """The JSON form kept in reports and repros: oracle, step, message, key, and for an
+    exception where it was raised and its traceback."""
+    d = {"oracle": f.oracle, "step": f.step, "message": f.message, "key": failure_key(f)}
+    ev = f.evidence or {}
+    for k in ("site", "traceback"):
+        if ev.get(k):
+            d[k] = ev[k]
+    return d
 
 
 @dataclass
@@ -78,8 +154,7 @@ def compare_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> Mismatch | 
     """Bit-for-bit equality (NaN payloads included), reported like ``compare_close``."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise OracleFailure("shape", f"{tuple(actual.shape)}/{actual.dtype} vs {tuple(expected.shape)}/{expected.dtype}")
-    ai = actual.detach().contiguous().view(torch.uint8).reshape(actual.shape + (-1,)).cpu()
-    ei = expected.detach().contiguous().view(torch.uint8).reshape(expected.shape + (-1,)).cpu()
+    ai, ei = _bytes(actual), _bytes(expected)
     bad = (ai != ei).any(dim=-1)
     if not bool(bad.any()):
         return None
@@ -92,6 +167,74 @@ def compare_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> Mismatch | 
     return m
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[*t.shape, itemsize]`` of any strided ``t``, through a fresh dense copy:
+    ``contiguous()`` is a no-op where only size-1 dims have odd strides (an lse of shape
+    [pad, h, 1] written through a strided view), and ``view(uint8)`` then refuses it."""
+    dense = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t.detach())
+    return dense.view(torch.uint8).reshape(tuple(t.shape) + (t.element_size(),)).cpu()
+
+
+def replay_tolerances(name: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for replay vs eager of a backend whose graph may run another schedule:
+    the reference tolerances of the tensor's dtype (``name`` "out" or "lse")."""
+    if name == "lse":
+        t = LSE_TOL.get(dtype, 1e-2)
+        return t, t
+    return OUT_TOL.get(dtype, (1e-2, 1e-2))
+
+
+_CONTRACT = "the DecodeBackend contract, docs/backends.md#forward"
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {list(x.shape)} on {x.device}"
+    return f"a {type(x).__name__}" if x is not None else "None"
+
+
+def _check_tensor(field: str, t, shape: tuple, dtype: torch.dtype, device: torch.device, step, why: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise OracleFailure("contract", f"forward returned {field} as {_describe(t)}; expected a tensor of shape "
+                            f"{list(shape)} ({_CONTRACT})", step, {"field": field})
+    for what, got, want in (("shape", list(t.shape), list(shape)), ("dtype", t.dtype, dtype),
+                            ("device", t.device, device)):
+        if got != want:
+            extra = why if what == "dtype" else ""
+            raise OracleFailure("contract", f"forward returned {field} with {what} {got}, expected {want}{extra} "
+                                f"({_CONTRACT})", step, {"field": f"{field}.{what}"})
+
+
+def check_contract(got, q: torch.Tensor, spec, caps, step) -> tuple:
+    """Oracle 0, checked before any other: ``forward``'s return value. ``(out, lse)`` (``out``
+    alone or ``(out, None)`` when ``caps.lse`` is None): ``out [pad, s_q, h, kv_lora_rank]``
+    in q's dtype, ``lse [pad, h, s_q]`` in fp32 (or q's dtype with ``caps.lse_dtype == "q"``),
+    both on q's device; any strides. Returns ``(out, lse)``; ``OracleFailure("contract")``
+    naming the field, what was expected and what came."""
+    if isinstance(got, torch.Tensor):
+        out, lse = got, None
+    elif isinstance(got, (tuple, list)) and len(got) in (1, 2):
+        out, lse = got[0], (got[1] if len(got) == 2 else None)
+    else:
+        raise OracleFailure("contract", f"forward returned {_describe(got)}"
+                            + (f" of length {len(got)}" if isinstance(got, (tuple, list)) else "")
+                            + f"; expected (out, lse) ({_CONTRACT})", step, {"field": "return"})
+    pad, s_q, h = q.shape[:3]
+    dev = q.device
+    _check_tensor("out", out, (pad, s_q, h, spec.kv_lora_rank), q.dtype, dev, step, " (q's dtype)")
+    if caps.lse is None:
+        return out, None
+    if lse is None:
+        raise OracleFailure("contract", f"forward returned no lse, but the backend's capabilities declare "
+                            f"lse={caps.lse!r}; declare Capabilities(lse=None) if it has none ({_CONTRACT})",
+                            step, {"field": "lse"})
+    want = torch.float32 if caps.lse_dtype == "fp32" else q.dtype
+    why = " (capabilities.lse_dtype='fp32'; declare lse_dtype='q' for lse in q's dtype)" if caps.lse_dtype == "fp32" \
+        else " (capabilities.lse_dtype='q': q's dtype)"
+    _check_tensor("lse", lse, (pad, h, s_q), want, dev, step, why)
+    return out, lse
+
+
 def nonfinite_rows(x: torch.Tensor) -> list[int]:
     """Batch rows (dim 0) holding NaN or inf."""
     bad = ~torch.isfinite(x.detach().float())
@@ -101,12 +244,15 @@ def nonfinite_rows(x: torch.Tensor) -> list[int]:
 def check_out_lse(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor,
                   what: str, step: int) -> None:
     """Eager-vs-reference oracle (2) for the attention op: out per element, lse per (row, head,
-    token) — including the zero-length conventions (out 0, lse -inf) that the reference states."""
+    token) — including the zero-length conventions (out 0, lse -inf) that the reference states.
+    ``lse`` None: the backend has none (``Capabilities(lse=None)``); out alone is checked."""
     atol, rtol = OUT_TOL.get(out.dtype, (1e-2, 1e-2))
     m = compare_close(out, ref_out, atol, rtol)
     if m is not None:
         raise OracleFailure("reference", m.describe(f"{what} out vs reference", atol, rtol), step,
                             {"rows": m.rows})
+    if lse is None:  # the backend declares no lse
+        return
     ltol = LSE_TOL.get(out.dtype, 1e-2)
     m = compare_close(lse, ref_lse, ltol, ltol)
     if m is not None:
@@ -124,3 +270,17 @@ def check_layer(out: torch.Tensor, ref: torch.Tensor, what: str, step: int, fp8_
     if m is not None:
         raise OracleFailure("reference", m.describe(f"{what} layer output vs reference", frac * scale, frac),
                             step, {"rows": m.rows})
+
+
+def main(argv=None) -> int:
+    """``python -m mla_fuzz.harness.oracles FILE...``: re-render the oracle table in each file."""
+    import sys
+    from pathlib import Path
+    for name in (sys.argv[1:] if argv is None else argv):
+        path = Path(name)
+        path.write_text(render_into(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

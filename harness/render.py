@@ -130,6 +130,7 @@ def summary_lines(result) -> list[str]:
     if cov:
         lines.append("  coverage:")
         lines += [f"    {label:<8} {vals}" for label, vals in cov]
+    lines += unsupported_lines(result.unsupported)
     if result.findings:
         n = sum(f.count for f in result.findings.values())
         lines.append(f"failures: {len(result.findings)} distinct ({n} in all); repros in {o.corpus}")
@@ -140,6 +141,18 @@ def summary_lines(result) -> list[str]:
         lines.append("warning: " + w)
     for e in result.errors:
         lines.append("error: " + e)
+    return lines
+
+
+def unsupported_lines(unsupported: dict) -> list[str]:
+    """Scenarios the backend declined, by reason (never findings)."""
+    if not unsupported:
+        return []
+    lines = [f"  unsupported: {sum(unsupported.values())} scenario(s) declined by the backend (not findings):"]
+    lines += [f"    {n:>5}  {reason}" for reason, n in sorted(unsupported.items(), key=lambda kv: -kv[1])[:10]]
+    if any(r.endswith("(plain NotImplementedError)") for r in unsupported):
+        lines.append("    hint: declare what the backend supports (a `capabilities` class attribute, "
+                     "docs/backends.md#capabilities) so these are not drawn at all")
     return lines
 
 

@@ -18,7 +18,7 @@ from .atomic import write_text_atomic
 from .diagnosis import Diagnosis, diagnose
 from .executor import run_steps
 from .loading import load_backend
-from .oracles import OracleFailure
+from .oracles import OracleFailure, failure_dict
 from .scenario import ScenarioConfig, validate_step
 
 FORMAT = "mla-fuzz-repro/1"
@@ -53,7 +53,7 @@ def make_repro(backend_ref: str, graph_mode: str, cfg: ScenarioConfig, steps: li
         "graph_mode": graph_mode,
         "config": cfg.to_dict(),
         "steps": steps,
-        "failure": {"oracle": failure.oracle, "step": failure.step, "message": failure.message},
+        "failure": failure_dict(failure),
         "diagnosis": None if diagnosis is None else diagnosis.to_dict(),
         "search": search or {},
         "versions": versions(),
@@ -62,9 +62,11 @@ def make_repro(backend_ref: str, graph_mode: str, cfg: ScenarioConfig, steps: li
 
 
 def signature(repro: dict) -> str:
-    """Deduplication key: backend + diagnosis class + oracle."""
+    """Deduplication key: backend + diagnosis class + failure key (the oracle, and for a
+    backend error the exception type and the backend's file:line; ``oracles.failure_key``)."""
     d = repro.get("diagnosis") or {}
-    return f"{repro['backend']}|{d.get('cls', '?')}|{repro['failure']['oracle']}"
+    f = repro["failure"]
+    return f"{repro['backend']}|{d.get('cls', '?')}|{f.get('key') or f['oracle']}"
 
 
 def write_repro(repro: dict, directory: str | os.PathLike) -> Path:

@@ -99,3 +99,32 @@ def validate_step(step: dict, cfg: ScenarioConfig) -> None:
         raise ValueError(f"step {step['op']!r}: size {size} is not a capture size {cfg.capture_sizes}")
     if size is not None and len(batch["seq_lens"]) > size:
         raise ValueError(f"step {step['op']!r}: batch of {len(batch['seq_lens'])} exceeds size {size}")
+
+
+def outside_capabilities(cfg: ScenarioConfig, steps: list[dict], caps) -> str | None:
+    """Why a scenario lies outside a backend's ``mla_ref.Capabilities`` (None when inside):
+    what the fuzzer would never draw for it, so a fixed scenario (the property suite's) does
+    not apply."""
+    from mla_fuzz.mla_ref import ModelSpec
+
+    checks = [(cfg.kv_dtype not in caps.kv_dtypes, f"KV cache {cfg.kv_dtype}"),
+              (cfg.q_dtype not in caps.q_dtypes, f"queries in {cfg.q_dtype}"),
+              (cfg.next_n not in caps.next_n, f"next_n {cfg.next_n}"),
+              (caps.page_sizes is not None and cfg.page_size not in caps.page_sizes, f"page size {cfg.page_size}"),
+              (caps.heads is not None and ModelSpec.from_dict(cfg.spec).num_heads not in caps.heads, "head count"),
+              (cfg.layer and not caps.layer, "layer steps"), (cfg.sparse and not caps.sparse, "sparse batches")]
+    for step in steps:
+        b = step["batch"]
+        real = [(s, q) for s, q in zip(b["seq_lens"], b["q_lens"])]
+        mdl = b.get("max_decode_len") or max([q for _, q in real] + [0])
+        checks += [
+            (not caps.empty_rows and any(s == 0 or q == 0 for s, q in real), "a request with seq_len 0"),
+            (caps.max_seq_len is not None and any(s > caps.max_seq_len for s, _ in real),
+             f"sequences over {caps.max_seq_len} tokens"),
+            (caps.mtp != "ragged" and (mdl != cfg.next_n or any(q not in (0, cfg.next_n) for _, q in real)),
+             f"query lengths other than next_n (mtp={caps.mtp!r})"),
+        ]
+    for bad, what in checks:
+        if bad:
+            return f"{what}: outside the backend's capabilities"
+    return None

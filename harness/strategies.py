@@ -12,9 +12,11 @@ import functools
 
 from hypothesis import strategies as st
 
-from mla_fuzz.mla_ref import ModelSpec
+from mla_fuzz.mla_ref import Capabilities, ModelSpec
 
 from .scenario import ScenarioConfig
+
+_ALL = Capabilities()
 
 TINY_HEADS = (1, 3, 4, 8, 16)
 # top-k widths of sparse scenarios: 1, non-multiples of the CPU tile (16), and 64 (the
@@ -25,23 +27,34 @@ CAPTURE_POOL = (1, 2, 3, 4, 8)
 
 @st.composite
 def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = True,
-            max_pages: int = 8, page_sizes=(4, 16, 64), sparse_ok: bool = False) -> ScenarioConfig:
-    """A ``ScenarioConfig`` around ``base`` (heads varied for small specs). ``sparse_ok``:
-    the backend takes sparse batches, so a scenario may be sparse (then attention-only)."""
+            max_pages: int = 8, page_sizes=(4, 16, 64), sparse_ok: bool = False,
+            caps: Capabilities = _ALL) -> ScenarioConfig:
+    """A ``ScenarioConfig`` around ``base`` (heads varied for small specs), drawn inside the
+    backend's ``caps``. ``sparse_ok``: the backend takes sparse batches, so a scenario may be
+    sparse (then attention-only)."""
     spec = base
-    if vary_heads and base.num_heads <= 16:
-        spec = ModelSpec(**{**base.to_dict(), "num_heads": draw(st.sampled_from(TINY_HEADS))})
-    kv_dtype = draw(st.sampled_from(("bf16", "fp8", "fp16")))
-    q_dtype = "bf16" if kv_dtype == "fp8" else ("fp16" if kv_dtype == "fp16" else "bf16")
+    heads = TINY_HEADS if vary_heads and base.num_heads <= 16 else (base.num_heads,)
+    if caps.heads is not None:
+        heads = tuple(h for h in heads if h in caps.heads) or caps.heads
+    if heads != (base.num_heads,):
+        spec = ModelSpec(**{**base.to_dict(), "num_heads": draw(st.sampled_from(heads))})
+    # kv first; a 16-bit cache is read with queries of its own dtype, FP8 with bf16 when allowed
+    kv_choices = [k for k in ("bf16", "fp8", "fp16") if k in caps.kv_dtypes and (k == "fp8" or k in caps.q_dtypes)]
+    kv_dtype = draw(st.sampled_from(kv_choices))
+    q_dtype = kv_dtype if kv_dtype != "fp8" else ("bf16" if "bf16" in caps.q_dtypes else "fp16")
     sizes = sorted(draw(st.sets(st.sampled_from(CAPTURE_POOL), min_size=1, max_size=3)))
     layer = layer_ok and draw(st.booleans())
     fp8_out = layer and draw(st.booleans())
+    if caps.page_sizes is not None:
+        page_sizes = tuple(p for p in page_sizes if p in caps.page_sizes) or caps.page_sizes
     page_size = draw(st.sampled_from(page_sizes))
+    pages = max(1, min(max_pages, draw(st.integers(1, max_pages)) * 64 // page_size))
+    if caps.max_seq_len is not None:
+        pages = max(1, min(pages, caps.max_seq_len // page_size))
     cfg = ScenarioConfig(
         spec=spec.to_dict(), kv_dtype=kv_dtype, q_dtype=q_dtype, page_size=page_size,
-        next_n=draw(st.integers(1, 4)), capture_sizes=sizes,
-        max_pages_per_seq=max(1, min(max_pages, draw(st.integers(1, max_pages)) * 64 // page_size)),
-        layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)))
+        next_n=draw(st.sampled_from(caps.next_n)), capture_sizes=sizes,
+        max_pages_per_seq=pages, layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)))
     # drawn last, so the draws above keep their meaning for existing repro files and seeds
     if sparse_ok and draw(st.booleans()):
         cfg.sparse, cfg.layer, cfg.fp8_out = True, False, False
@@ -70,17 +83,25 @@ def seq_len_values(cfg: ScenarioConfig) -> st.SearchStrategy:
 
 
 @st.composite
-def batch_draws(draw, cfg: ScenarioConfig, max_rows: int, min_rows: int = 1, allow_empty_rows: bool = True) -> dict:
-    """A ``BatchDraw`` (scenario.py) with 1..max_rows requests."""
+def batch_draws(draw, cfg: ScenarioConfig, max_rows: int, min_rows: int = 1, allow_empty_rows: bool = True,
+                caps: Capabilities = _ALL) -> dict:
+    """A ``BatchDraw`` (scenario.py) with 1..max_rows requests, inside ``caps``: with
+    ``mtp="uniform"`` every real request has ``next_n`` query tokens, with ``"none"`` one;
+    without ``empty_rows`` no real request has seq_len 0."""
     B = draw(_int(min_rows, max_rows))
-    mdl = draw(_int(1, cfg.next_n))
+    ragged = caps.mtp == "ragged"
+    mdl = draw(_int(1, cfg.next_n)) if ragged else cfg.next_n
+    empty_ok = allow_empty_rows and caps.empty_rows
     lens = seq_len_values(cfg)
+    floor = 1 if ragged else mdl  # shortest sequence that holds the step's query tokens
     seq_lens, q_lens = [], []
     for _ in range(B):
         s = draw(lens)
-        if s == 0 and not allow_empty_rows:
+        if s == 0 and not empty_ok:
             s = 1
-        q = 0 if s == 0 else draw(_int(1, min(mdl, s)))
+        if 0 < s < floor:
+            s = min(floor, cfg.max_seq_len)
+        q = 0 if s == 0 else (draw(_int(1, min(mdl, s))) if ragged else min(mdl, s))
         seq_lens.append(s)
         q_lens.append(q)
     return {"seed": draw(_SEED), "seq_lens": seq_lens, "q_lens": q_lens,

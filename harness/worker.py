@@ -66,6 +66,7 @@ def _check_parent() -> None:
 def _fuzz_task(task: dict) -> dict:
     """Run one ``harness.fuzz.fuzz`` chunk with the in-flight hooks installed."""
     from mla_fuzz.harness import fuzz as fuzz_mod
+    from mla_fuzz.harness.oracles import failure_dict
 
     tid = task["id"]
     budget_s = task.get("budget_s")
@@ -80,27 +81,31 @@ def _fuzz_task(task: dict) -> dict:
         # failure it is working on, so a crash or hang in a re-run still yields a repro.
         f = info["failure"]
         send({"t": "phase", "task": tid, "phase": phase, "cfg": info["cfg"].to_dict(), "steps": info["steps"],
-              "failure": {"oracle": f.oracle, "step": f.step, "message": f.message}, "time": time.time()})
+              "failure": failure_dict(f), "time": time.time()})
 
     report = fuzz_mod.fuzz(task["backend"], spec=task.get("spec", "tiny"), graph_mode=task.get("graph", "auto"),
                            examples=int(task["examples"]), seed=int(task["seed"]), budget_s=budget_s,
                            shrink=bool(task.get("shrink", True)), on_step=on_step, on_phase=on_phase,
-                           should_stop=lambda: _STOP, shrink_seconds=task.get("shrink_seconds"))
+                           should_stop=lambda: _STOP, shrink_seconds=task.get("shrink_seconds"),
+                           narrow=task.get("narrow") or None, known=task.get("known") or (),
+                           strict_contiguity=bool(task.get("strict_contiguity")))
     return {"report": {
         "backend": report.backend, "graph_mode": report.graph_mode, "seed": report.seed,
         "examples": report.examples, "steps": report.steps, "seconds": report.seconds,
         "shrink_runs": report.shrink_runs,
         "examples_to_detect": report.examples_to_detect, "seconds_to_detect": report.seconds_to_detect,
-        "repro": report.repro, "coverage": report.coverage, "stopped": _STOP}}
+        "repro": report.repro, "coverage": report.coverage, "unsupported": report.unsupported,
+        "capabilities": report.capabilities, "stopped": _STOP}}
 
 
 def _replay_task(task: dict) -> dict:
     """Run a step list in order (crash reduction, isolated replay), one ``step`` message
     before each step, then diagnose a failure if asked."""
     from mla_fuzz.harness.diagnosis import diagnose
-    from mla_fuzz.harness.executor import ScenarioRunner
+    from mla_fuzz.harness.executor import ScenarioRunner, StepUnsupported
+    from mla_fuzz.harness.fuzz import resolve_mode
     from mla_fuzz.harness.loading import load_backend
-    from mla_fuzz.harness.oracles import OracleFailure
+    from mla_fuzz.harness.oracles import OracleFailure, failure_dict
     from mla_fuzz.harness.scenario import ScenarioConfig, validate_step
 
     tid = task["id"]
@@ -109,21 +114,25 @@ def _replay_task(task: dict) -> dict:
     steps = task["steps"]
     for s in steps:
         validate_step(s, cfg)
-    runner = ScenarioRunner(backend_cls, cfg, task.get("graph", "auto"))
-    mode = runner.mode
+    runner = None
+    mode = resolve_mode(task.get("graph", "auto"))
     failure = None
     try:
+        runner = ScenarioRunner(backend_cls, cfg, task.get("graph", "auto"))
         for i, step in enumerate(steps):
             _check_parent()
             send({"t": "step", "task": tid, "cfg": task["config"], "steps": steps[: i + 1], "time": time.time()})
             runner.apply(step)
     except OracleFailure as f:
         failure = f
+    except StepUnsupported:
+        pass  # the backend declined the input: nothing wrong was seen
     finally:
-        runner.close()
+        if runner is not None:
+            runner.close()
     result = {"graph_mode": mode, "failure": None, "diagnosis": None}
     if failure is not None:
-        result["failure"] = {"oracle": failure.oracle, "step": failure.step, "message": failure.message}
+        result["failure"] = failure_dict(failure)
         if task.get("diagnose"):
             send({"t": "phase", "task": tid, "phase": "diagnose", "cfg": task["config"], "steps": steps,
                   "failure": result["failure"], "time": time.time()})

@@ -7,7 +7,7 @@
 - ``MLADecodeLayer``: a full layer decode step over a backend;
 - ``ops``: the kernels as ``torch.library`` custom ops (namespace ``mla_fuzz``).
 
-Imports ``mla_ref`` (the contract) and never ``harness`` (DESIGN.md layering).
+Imports ``mla_ref`` (the contract) and never ``harness`` (docs/design.md, layering).
 """
 from . import ops
 from .backend import TritonMLABackend, TritonMLAMetadata, host_context_lens

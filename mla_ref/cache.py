@@ -1,6 +1,6 @@
 """The paged latent KV cache: allocation, writes by slot mapping, and explicit page gathers.
 
-Two layouts (DESIGN.md §1):
+Two layouts (docs/design.md, "The op contract"):
 
 - floating: ``[num_blocks, page_size, 1, d_qk]`` (bf16 / fp16 / fp32; fp64 accepted for
   exact oracles), one latent+rope row per token;

@@ -3,7 +3,7 @@
 ``DecodeBatch`` is the host-side description of one decode step; ``DecodeBackend`` is
 the protocol a backend implements to be fuzzed. Both live here, beside the math,
 because the Triton backend (``kernels``) implements them and must not import
-``harness`` (DESIGN.md layering).
+``harness`` (docs/design.md, layering).
 """
 from __future__ import annotations
 
@@ -200,12 +200,25 @@ class DecodeBatch:
 class DecodeBackend(Protocol):
     """What the fuzzer drives. Loaded by import path ``package.module:Class``.
 
-    ``build`` runs on the host before each step (in graph mode it must write into
-    persistent buffers so a captured graph sees the new step); ``forward`` is device work
-    only and is what gets captured. ``q`` is ``[pad, s_q, h_q, d_qk]`` where ``pad`` is
-    ``batch.padded_size``; it returns ``out [pad, s_q, h_q, kv_lora_rank]`` (q dtype) and
-    ``lse [pad, h_q, s_q]`` fp32. Optional: ``write_kv(kv_cache, latent, rope, metadata)``
-    (cache write by the step's slot mapping) enables layer-level scenarios.
+    Constructor: ``__init__(spec, *, device, max_batch, capture_sizes, graph_safe, **extra)``.
+    ``spec`` is a ``ModelSpec``; ``device`` a ``torch.device``; ``max_batch`` the largest
+    (padded) batch; ``capture_sizes`` the batch sizes graphs are captured at; ``graph_safe``
+    True when forwards will be captured (keep persistent buffers). ``extra`` holds those of
+    ``page_size``, ``max_blocks_per_seq``, ``next_n_max``, ``num_blocks``, ``topk_max`` and
+    ``indexer`` that the constructor names (all of them with ``**kwargs``).
+
+    ``build(batch)`` runs on the host before each step (in graph mode it must write into
+    persistent buffers so a captured graph sees the new step). Optional
+    ``build_for_capture(batch)``: used instead of ``build`` for the step a graph is captured
+    on (and the warmups that share its build), as engines keep a separate capture path.
+    ``forward(q, kv_cache, metadata)`` is device work only and is what gets captured. ``q`` is
+    ``[pad, s_q, h_q, d_qk]`` where ``pad`` is ``batch.padded_size``; it returns
+    ``(out, lse)``: ``out [pad, s_q, h_q, kv_lora_rank]`` in q's dtype and
+    ``lse [pad, h_q, s_q]`` (fp32, or q's dtype and/or base 2 as ``capabilities`` declares;
+    ``out`` alone or ``(out, None)`` when it declares ``lse=None``). Any strides are fine.
+    Optional: ``write_kv(kv_cache, latent, rope, metadata)`` (cache write by the step's slot
+    mapping) enables layer-level scenarios. Optional class attribute ``capabilities``
+    (``mla_ref.Capabilities``): what it supports; ``Unsupported`` for anything else.
     """
 
     name: str

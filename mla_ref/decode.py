@@ -1,4 +1,4 @@
-"""The reference MLA decode op (DESIGN.md §1): latent attention over a paged cache.
+"""The reference MLA decode op (docs/design.md, "The op contract"): latent attention over a paged cache.
 
 Written for obviousness, not speed: one request at a time, pages gathered explicitly, one
 softmax per query token. Everything is computed in fp32 (fp64 when ``q`` is fp64).

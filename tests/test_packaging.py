@@ -14,7 +14,7 @@ def test_wheel_has_only_the_mla_fuzz_top_level_name(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("mla_fuzz", "mla_ref", "kernels", "harness"):
+    for name in ("mla_fuzz", "mla_ref", "kernels", "harness", "examples"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
@@ -26,7 +26,7 @@ def test_wheel_has_only_the_mla_fuzz_top_level_name(tmp_path):
     # every layer made it in, with its subpackages
     for mod in ("mla_fuzz/__init__.py", "mla_fuzz/mla_ref/__init__.py", "mla_fuzz/kernels/backend.py",
                 "mla_fuzz/harness/cli.py", "mla_fuzz/harness/graphs/emulated.py", "mla_fuzz/harness/mutants/__init__.py",
-                "mla_fuzz/harness/suite/test_properties.py"):
+                "mla_fuzz/harness/suite/test_properties.py", "mla_fuzz/examples/__init__.py"):
         assert mod in names, mod
     meta = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     entry = zipfile.ZipFile(wheel).read(meta).decode()

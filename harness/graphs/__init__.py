@@ -1,4 +1,4 @@
-"""Graph runners: one interface, three modes (DESIGN.md section 4).
+"""Graph runners: one interface, three modes (docs/design.md, "Graph runners").
 
 ``make_runner(mode, device=None, **options)`` with ``mode`` one of:
 

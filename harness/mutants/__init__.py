@@ -11,6 +11,7 @@ from .layout import NoncontigContextLens, PaddedSlotWrite
 from .padding import NanZeroLen, UninitPaddingAmax
 from .indexer import IndexerTwoDContextLens
 from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail
+from .examples import ExampleItemInForward, ExampleSeqLensFresh, ExampleWorkspaceRealloc
 
 ALL = {
     "stale-fp8-metadata": StaleFP8Metadata,
@@ -25,6 +26,10 @@ ALL = {
     "ragged-item-sync": RaggedItemSync,
     "ragged-stale-tail": RaggedStaleTail,
     "indexer-2d-context-lens": IndexerTwoDContextLens,
+    # the plug-in example (examples/triton_decode.py) with the same bug classes put back
+    "example-seq-lens-fresh": ExampleSeqLensFresh,
+    "example-workspace-realloc": ExampleWorkspaceRealloc,
+    "example-item-in-forward": ExampleItemInForward,
 }
 
 EXPECTED = {
@@ -42,6 +47,9 @@ EXPECTED = {
     # refresh: the stale-address family (diagnosis experiment "fresh backend")
     "ragged-stale-tail": {"stale-address"},
     "indexer-2d-context-lens": {"contiguity"},
+    "example-seq-lens-fresh": {"stale-address"},
+    "example-workspace-realloc": {"stale-address"},
+    "example-item-in-forward": {"host-sync"},
 }
 
 __all__ = ["ALL", "EXPECTED"] + [c.__name__ for c in ALL.values()]
