@@ -26,6 +26,7 @@ from pathlib import Path
 from .crash_repro import StepReducer, crash_repro
 from .pool import Pool, exit_text
 from .repro import signature, write_repro
+from .scenario import ScenarioConfig, scenario_coverage, step_coverage
 
 DEFAULT_CHUNK = 100
 # Reductions of a crash found near the end may finish this long after the budget.
@@ -172,11 +173,17 @@ def clean_stale_temps(corpus: Path, older_than_s: float = 60.0) -> None:
 class _Live:
     """Counters of a running fuzz chunk, from its step messages (reports come at the end)."""
 
-    __slots__ = ("examples", "steps")
+    __slots__ = ("examples", "steps", "coverage")
 
     def __init__(self):
         self.examples = 0
         self.steps = 0
+        self.coverage: dict = {}  # merged only when the chunk dies before its report
+
+    def note(self, notes) -> None:
+        for key, value in notes:
+            d = self.coverage.setdefault(key, {})
+            d[value] = d.get(value, 0) + 1
 
 
 class CampaignRun:
@@ -396,6 +403,7 @@ class CampaignRun:
         for v in self._live.values():
             self.result.examples += v.examples
             self.result.steps += v.steps
+            merge_coverage(self.result.coverage, v.coverage)
         self._live.clear()
 
     # -- events --------------------------------------------------------------------------
@@ -409,12 +417,20 @@ class CampaignRun:
             return
         if ev.kind == "step":
             live = self._live.get(tid)
-            if live is not None:
+            if live is not None and not ev.msg.get("shrinking"):
                 # an empty step list announces a new scenario (see fuzz's on_step)
+                try:
+                    cfg = ScenarioConfig.from_dict(ev.msg["cfg"])
+                except (KeyError, TypeError, ValueError):
+                    cfg = None
                 if ev.msg.get("steps"):
                     live.steps += 1
+                    if cfg is not None:
+                        live.note(step_coverage(cfg, ev.msg["steps"][-1]))
                 else:
                     live.examples += 1
+                    if cfg is not None:
+                        live.note(scenario_coverage(cfg))
             return
         if ev.kind == "error":
             self._live.pop(tid, None)
@@ -462,6 +478,7 @@ class CampaignRun:
         if live is not None:
             self.result.examples += live.examples
             self.result.steps += live.steps
+            merge_coverage(self.result.coverage, live.coverage)
             self.result.chunks += 1
             if self.opts.examples is not None:
                 # The examples the dead chunk never ran go back to be dispatched (new seed).
@@ -517,6 +534,8 @@ class CampaignRun:
                 finding.path.unlink()
             except OSError:
                 pass
+            if self.display is not None:  # the line that named the old file must not mislead
+                self.display.note(f"{finding.cls}: {finding.path} replaced by a smaller repro -> {path}")
         finding.path = path
         finding.repro = repro
         finding.message = (repro.get("failure") or {}).get("message", finding.message)

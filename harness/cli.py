@@ -234,6 +234,30 @@ def _check_backend(ref: str) -> None:
         raise UsageError(f"--backend: {exc}") from None
 
 
+def _check_writable_dir(flag: str, path: str) -> None:
+    """Before any work: the folder exists or can be made, and takes files."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
+    if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: not a writable folder")
+
+
+def _check_writable_file(flag: str, path: str) -> None:
+    """Before any work: ``path`` can be written (its folder exists and is writable, and it is
+    not a folder), so a report is never lost after the whole budget."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder")
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
+
+
 def _narrow(args) -> dict:
     try:
         return narrowing.parse(vars(args))
@@ -280,6 +304,9 @@ def cmd_run(args) -> int:
     seed, case_timeout, workers = _seed(args.seed), _case_timeout(args.case_timeout), _workers(args.workers)
     mode = _resolve_mode(args.graph)
     narrow = _narrow(args)
+    _check_writable_dir("--corpus", args.corpus)
+    if args.json:
+        _check_writable_file("--json", args.json)
     _check_backend(backend)
     caps_line, notes = _capabilities_text(backend, narrow, mode)
     _check_mps(args.mps, mode)
@@ -331,6 +358,8 @@ def cmd_replay(args) -> int:
     from .replaying import replay
 
     case_timeout = _case_timeout(args.case_timeout)
+    if args.json:
+        _check_writable_file("--json", args.json)
     if args.backend:
         _check_backend(args.backend)
     code = EXIT_OK
@@ -345,7 +374,10 @@ def cmd_replay(args) -> int:
             continue
         mode = args.graph or data["graph_mode"]
         if mode == "cuda" and not _cuda():
-            mode = "emulated"  # as replay_repro does: graph semantics kept, no GPU needed
+            if args.graph == "cuda":
+                raise UsageError("--graph cuda: no CUDA device is available (torch.cuda.is_available() is False); "
+                                 "use --graph emulated or auto")
+            mode = "emulated"  # a repro recorded on a GPU: graph semantics kept, no GPU needed
         _use_interpreter_here(mode)
         isolate = args.isolate
         if isolate is None and "mla_fuzz.kernels" in sys.modules and _interp_mismatch(mode):
@@ -354,9 +386,12 @@ def cmd_replay(args) -> int:
         print(f"== {path}\nbackend {backend}, graph {mode}" + (" (in a worker process)" if isolate or (
             isolate is None and _is_process(data)) else ""))
         print("recorded: " + _failure_text(data.get("failure"), data.get("diagnosis")))
+        # the timeout the repro was recorded with (a hang's), unless --case-timeout says otherwise
+        recorded = (data.get("search") or {}).get("case_timeout_s")
+        timeout = case_timeout if args.case_timeout is not None or not recorded else float(recorded)
         try:
             out = replay(data, backend=args.backend, graph=mode, isolate=isolate,
-                         env=worker_envs(1, mode)[0], case_timeout=case_timeout)
+                         env=worker_envs(1, mode)[0], case_timeout=timeout)
         except ValueError as exc:
             print(f"mla-fuzz replay: error: {path}: {exc}", file=sys.stderr)
             code = EXIT_USAGE
@@ -406,13 +441,20 @@ def cmd_mutants(args) -> int:
     case_timeout = _case_timeout(args.case_timeout)
     workers = _workers(args.workers)
     mode = _resolve_mode(args.graph)
+    if args.corpus is not None:
+        _check_writable_dir("--corpus", args.corpus)
+    if args.json:
+        _check_writable_file("--json", args.json)
     try:
         all_, expected = load_mutants()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     names = sorted(all_)
-    if args.only:
+    if args.only is not None:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        if not wanted:
+            raise UsageError(f"--only: expected comma-separated mutant names, got {args.only!r}; "
+                             f"known: {', '.join(names)}")
         unknown = [n for n in wanted if n not in all_]
         if unknown:
             raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(names)}")
@@ -473,6 +515,9 @@ def cmd_bench(args) -> int:
         modes.append(_resolve_mode(m))
     if not modes:
         raise UsageError(f"--graph: expected a comma-separated list of modes, got {args.graph!r}")
+    _check_writable_dir("--corpus", args.corpus)
+    if args.json:
+        _check_writable_file("--json", args.json)
     _check_backend(args.backend)
     if args.mps:
         for m in modes:

@@ -19,7 +19,7 @@ from mla_fuzz.mla_ref import Capabilities, ModelSpec
 from .executor import ScenarioRunner, StepUnsupported
 from .loading import supports_layer, supports_sparse
 from .oracles import OracleFailure, failure_key
-from .scenario import ScenarioConfig
+from .scenario import ScenarioConfig, scenario_coverage, step_coverage
 from .strategies import batch_draws, configs
 
 
@@ -88,6 +88,7 @@ def make_machine(c: Campaign):
             self.steps: list[dict] = []
             self.captured: set[int] = set()
             self._batch_strategies: dict = {}
+            self.shrinking = False
 
         def _batches(self, rows: int):
             # one strategy object per row bound and scenario: Hypothesis re-validates a
@@ -107,30 +108,26 @@ def make_machine(c: Campaign):
                                 or (c.should_stop is not None and c.should_stop())):
                 raise BudgetExhausted()
             self.cfg = cfg
-            if c.on_step is not None:
-                c.on_step(cfg, [])  # a crash while building the backend belongs to this config
             key = "shrink_runs" if pending else "examples"
             c.stats[key] = c.stats.get(key, 0) + 1
-            for key in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size", "sparse"):
-                c.note(key, getattr(cfg, key))
-            c.note("heads", ModelSpec.from_dict(cfg.spec).num_heads)
+            self.shrinking = pending
+            if c.on_step is not None:
+                c.on_step(cfg, [], shrinking=pending)  # a crash while building the backend belongs to this config
+            if not pending:  # coverage counts searched examples, not shrink re-runs
+                for key, value in scenario_coverage(cfg):
+                    c.note(key, value)
             # Every scenario starts with a capture: the bugs we hunt need capture -> replay,
             # and a rule that merely *may* capture wastes most examples on eager-only runs.
             self._capture(data)
 
         def _run(self, step: dict) -> None:
             self.steps.append(step)
-            c.stats["steps"] += 1
-            c.note("op", step["op"])
-            b = step["batch"]
-            if b["max_decode_len"] < self.cfg.next_n:
-                c.note("mtp", "max_decode_len<next_n")
-            if len(b["seq_lens"]) < (step.get("size") or step.get("pad_to") or 0):
-                c.note("padding", "padded rows")
-            if 0 in b["seq_lens"]:
-                c.note("seq_len", "0")
+            if not self.shrinking:
+                c.stats["steps"] += 1
+                for key, value in step_coverage(self.cfg, step):
+                    c.note(key, value)
             if c.on_step is not None:
-                c.on_step(self.cfg, self.steps)
+                c.on_step(self.cfg, self.steps, shrinking=self.shrinking)
             self._guard(lambda: self._apply(step))
 
         def _apply(self, step: dict) -> None:

@@ -52,6 +52,11 @@ class ScenarioConfig:
     def validate(self) -> None:
         from mla_fuzz.mla_ref import KV_DTYPES, ModelSpec
 
+        if isinstance(self.spec, str):  # a spec by name, as the CLI takes it
+            self.spec = ModelSpec.from_name(self.spec).to_dict()
+        if not isinstance(self.spec, dict):
+            raise ValueError(f"config.spec must be a spec name (tiny, deepseek-v3) or a dict of ModelSpec fields, "
+                             f"got {type(self.spec).__name__}")
         ModelSpec.from_dict(self.spec)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"config.kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
@@ -83,6 +88,26 @@ class ScenarioConfig:
         return cfg
 
 
+def scenario_coverage(cfg: ScenarioConfig) -> list[tuple[str, str]]:
+    """The coverage notes (dimension, value) a new scenario adds."""
+    from mla_fuzz.mla_ref import ModelSpec
+    notes = [(k, str(getattr(cfg, k))) for k in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size", "sparse")]
+    return notes + [("heads", str(ModelSpec.from_dict(cfg.spec).num_heads))]
+
+
+def step_coverage(cfg: ScenarioConfig, step: dict) -> list[tuple[str, str]]:
+    """The coverage notes a step adds: its op, MTP short decode, padded rows, empty rows."""
+    b = step["batch"]
+    notes = [("op", step["op"])]
+    if b.get("max_decode_len", cfg.next_n) < cfg.next_n:
+        notes.append(("mtp", "max_decode_len<next_n"))
+    if len(b["seq_lens"]) < (step.get("size") or step.get("pad_to") or 0):
+        notes.append(("padding", "padded rows"))
+    if 0 in b["seq_lens"]:
+        notes.append(("seq_len", "0"))
+    return notes
+
+
 def validate_step(step: dict, cfg: ScenarioConfig) -> None:
     """ValueError for a malformed step (used when loading repro files)."""
     if not isinstance(step, dict) or step.get("op") not in STEP_OPS:
@@ -92,6 +117,20 @@ def validate_step(step: dict, cfg: ScenarioConfig) -> None:
         raise ValueError(f"step {step['op']!r}: 'batch' must have seed, seq_lens, q_lens; got {batch!r}")
     if len(batch["seq_lens"]) != len(batch["q_lens"]):
         raise ValueError(f"step {step['op']!r}: seq_lens and q_lens differ in length")
+    for name in ("seq_lens", "q_lens"):
+        bad = [v for v in batch[name] if not isinstance(v, int) or isinstance(v, bool) or v < 0]
+        if bad:
+            raise ValueError(f"step {step['op']!r}: batch.{name} must hold integers >= 0, got {bad[0]!r}")
+    over = [i for i, (s_, q_) in enumerate(zip(batch["seq_lens"], batch["q_lens"])) if q_ > s_]
+    if over:
+        i = over[0]
+        raise ValueError(f"step {step['op']!r}: batch.q_lens[{i}] = {batch['q_lens'][i]} exceeds "
+                         f"batch.seq_lens[{i}] = {batch['seq_lens'][i]} (a request's query tokens are among its keys)")
+    mdl = batch.get("max_decode_len")
+    if mdl is not None and (not isinstance(mdl, int) or not 0 <= mdl <= cfg.next_n
+                            or any(q_ > mdl for q_ in batch["q_lens"])):
+        raise ValueError(f"step {step['op']!r}: batch.max_decode_len must be in [max(q_lens), next_n={cfg.next_n}], "
+                         f"got {mdl!r}")
     if any(s > cfg.max_seq_len for s in batch["seq_lens"]):
         raise ValueError(f"step {step['op']!r}: a seq_len exceeds max_seq_len {cfg.max_seq_len}")
     size = step.get("size", step.get("pad_to"))

@@ -71,10 +71,12 @@ def _fuzz_task(task: dict) -> dict:
     tid = task["id"]
     budget_s = task.get("budget_s")
 
-    def on_step(cfg, steps) -> None:
-        # steps == [] announces a new scenario (its backend is about to be built)
+    def on_step(cfg, steps, shrinking=False) -> None:
+        # steps == [] announces a new scenario (its backend is about to be built); shrink
+        # re-runs are flagged so the parent's live counts add up to the report's
         _check_parent()
-        send({"t": "step", "task": tid, "cfg": cfg.to_dict(), "steps": steps, "time": time.time()})
+        send({"t": "step", "task": tid, "cfg": cfg.to_dict(), "steps": steps, "time": time.time(),
+              "shrinking": bool(shrinking)})
 
     def on_phase(phase, info) -> None:
         # Diagnosis re-runs the scenario without the step hook; tell the parent which

@@ -58,7 +58,7 @@ class ModelSpec:
         """``"tiny"`` or ``"deepseek-v3"``; ValueError naming the choices otherwise."""
         table = {"tiny": cls.tiny, "deepseek-v3": cls.deepseek_v3, "deepseek_v3": cls.deepseek_v3}
         if name not in table:
-            raise ValueError(f"unknown spec {name!r}; expected one of 'tiny', 'deepseek-v3'")
+            raise ValueError(f"unknown spec {name!r}; known: tiny, deepseek-v3")
         return table[name]()
 
     @property
