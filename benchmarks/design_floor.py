@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mla_fuzz.mla_ref import ModelSpec  # noqa: E402
 
-from mla_fuzz.kernels.pdl import grid_release, grid_wait  # noqa: E402
+from mla_fuzz.kernels.hopper.pdl import grid_release, grid_wait  # noqa: E402
 
 #: the graphs timed for each case, in the order each round times them (module doc)
 MODES = ("shipped", "floor", "floor_no_combine", "read_alone", "three_kernels")
@@ -65,14 +65,14 @@ def read_in_decode_place(stand_in, combine: bool = True):
     where it would launch the decode, and (``combine`` False) launches no combine kernel;
     restored on exit, also after an error. Timing only: ``out`` and ``lse`` are never written."""
     import mla_fuzz.kernels.ops as ops
-    dec, comb = ops.launch_decode_split, ops.launch_combine
+    dec, comb = ops.launch_decode, ops.launch_combine
     try:
-        ops.launch_decode_split = stand_in
+        ops.launch_decode = stand_in
         if not combine:
             ops.launch_combine = lambda *args, **kw: None
         yield
     finally:
-        ops.launch_decode_split, ops.launch_combine = dec, comb
+        ops.launch_decode, ops.launch_combine = dec, comb
 
 
 def pieces_used(num_splits, split_offsets) -> int:
@@ -167,7 +167,7 @@ def _floor_graphs(c, reader, kv_bytes: int, programs, no_combine: bool) -> dict:
     partial rows the plan's split requests use; ``floor`` and, with ``no_combine``,
     ``floor_no_combine`` (module doc)."""
     from fixed_cost_bench import _graph_of
-    from mla_fuzz.kernels.pdl import pdl_on
+    from mla_fuzz.kernels.hopper.pdl import pdl_on
     batch = c.q.shape[0]
     pieces = pieces_used(c.md.num_splits[:batch].cpu(), c.md.split_offsets[:batch].cpu())
     wait = pdl_on(c.q)  # the read waits for the plan exactly where the decode would
@@ -208,7 +208,7 @@ def run_case(case, pool, reader, flush, gen, reps: int, rates: tuple, parts=(), 
 
     import kernel_bench as kb
     from fixed_cost_bench import _Case, _graph_of, _kernel_medians
-    from mla_fuzz.kernels.pdl import pdl_on
+    from mla_fuzz.kernels.hopper.pdl import pdl_on
     kv, h, s_q, batch, length = case
     spec = ModelSpec(num_heads=h)
     io_bytes, flops, kv_bytes = kb.case_cost(spec, h, s_q, batch, length, kv)

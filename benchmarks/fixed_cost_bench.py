@@ -47,7 +47,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from mla_fuzz.kernels.gluon_parts import wgmma_layout
+    from mla_fuzz.kernels.hopper.gluon_parts import wgmma_layout
 except Exception:  # pragma: no cover - a Triton without Gluon
     gluon = None
 
@@ -280,7 +280,7 @@ def without_merge(combine: bool, partials: bool):
     capacity, so split pieces store nothing); restored on exit, also after an error. Timing only:
     split requests' ``out`` / ``lse`` are then never written."""
     import mla_fuzz.kernels.ops as ops
-    dec, comb = ops.launch_decode_split, ops.launch_combine
+    dec, comb = ops.launch_decode, ops.launch_combine
 
     def decode_without_partials(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info,
                                 num_splits, split_offsets, out, lse, partial_o, partial_lse, **kw):
@@ -291,10 +291,10 @@ def without_merge(combine: bool, partials: bool):
         if combine:
             ops.launch_combine = lambda *args, **kw: None
         if partials:
-            ops.launch_decode_split = decode_without_partials
+            ops.launch_decode = decode_without_partials
         yield
     finally:
-        ops.launch_decode_split, ops.launch_combine = dec, comb
+        ops.launch_decode, ops.launch_combine = dec, comb
 
 
 def _in_graph_ms(fn, flush, reps: int) -> float:

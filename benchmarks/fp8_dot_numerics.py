@@ -1,7 +1,7 @@
 """Would FP8 tensor-core dots keep FP8-cache decode accurate? A CPU emulation (no GPU needed).
 
 The FP8 decode kernels convert every cached e4m3 code to a 16-bit value in shared memory
-before their dots (``kernels/decode_wgmma_ws.py``, ``decode_wgmma_ws64.py``); that
+before their dots (``kernels/hopper/decode_wgmma_ws.py``, ``decode_wgmma_ws64.py``); that
 conversion and its shared-memory traffic are what bound their tiles
 (``docs/kernel-performance.md``, "Where a small launch's time goes"). Hopper's e4m3 dots
 would read the codes as they are, but both operands must then be e4m3: q (bf16) and the

@@ -256,18 +256,17 @@ def run_sparse_case(spec, pool, h, s_q, B, L, kv, topk, gen):
 
 
 def candidate_configs(rows: int, sms: int, kv: str):
-    """A few launch configs per row class (s_q * heads) and kv dtype, one program per SM (a
-    second wave lost in every case of the first sweep). Tuples: block_m, block_n, warps,
-    stages[, fp8_prefetch]. (A per-element scale-gather FP8 variant, swept on 2026-11-26,
-    was 2-3x slower than the reshape broadcast and has been removed.)"""
+    """A few launch configs of the Triton kernel per row class (s_q * heads) and kv dtype, one
+    program per SM (a second wave lost in every case of the first sweep). Tuples: block_m,
+    block_n, warps, stages."""
     if kv == "fp8":
         if rows <= 32:
             bm = 16 if rows <= 16 else 32
-            shapes = [(bm, 64, 8, 1, True), (bm, 64, 8, 2, False), (bm, 32, 8, 1, True)]
+            shapes = [(bm, 64, 8, 1), (bm, 64, 8, 2), (bm, 32, 8, 1), (bm, 128, 8, 2)]
             if rows > 16:  # the 64-row block, padding rows masked (the default there)
-                shapes.append((64, 128, 8, 1, False))
+                shapes.append((64, 128, 8, 1))
         else:
-            shapes = [(64, 128, 8, 1, False), (64, 64, 8, 2, False), (64, 32, 8, 1, True)]
+            shapes = [(64, 128, 8, 1), (64, 64, 8, 2), (64, 32, 8, 1)]
     elif rows <= 16:
         shapes = [(16, 64, 4, 2), (16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 8, 2)]
     elif rows <= 32:
@@ -276,17 +275,16 @@ def candidate_configs(rows: int, sms: int, kv: str):
         shapes = [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 8, 3)]
     out = []
     for shape in shapes:
-        bm, bn, w, st = shape[:4]
-        extra = dict(fp8_prefetch=shape[4]) if len(shape) > 4 else {}
+        bm, bn, w, st = shape
         m_blocks = -(-rows // bm)
         out.append(DecodeConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st,
-                                num_parts=max(1, sms // m_blocks), min_tiles_per_part=2, **extra))
+                                num_parts=max(1, sms // m_blocks), min_tiles_per_part=2))
     return out
 
 
 def cfg_dict(c: DecodeConfig) -> dict:
     return dict(block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages,
-                num_parts=c.num_parts, min_tiles_per_part=c.min_tiles_per_part, fp8_prefetch=c.fp8_prefetch)
+                num_parts=c.num_parts, min_tiles_per_part=c.min_tiles_per_part, kernel=c.kernel)
 
 
 def summarize(results: list) -> dict:

@@ -1,4 +1,4 @@
-"""Markdown tables of a ``kernel_bench.py`` grid (its json), for the README.
+"""Markdown tables of a ``kernel_bench.py`` grid (its json), for ``docs/kernel-performance.md``.
 
 Two tables, both computed from the json's case records (never typed by hand):
 
@@ -9,14 +9,14 @@ Two tables, both computed from the json's case records (never typed by hand):
   under 75% of the copy rate at B·L >= 128k, any case over 2x its roofline at B >= 32).
 
 ``--against OLD.json`` adds, per (kv, h, s_q), the geo-mean and range of OLD's time over this
-one's (separate commands: only shifts beyond a few percent mean anything). ``--write README.md``
+one's (separate commands: only shifts beyond a few percent mean anything). ``--write FILE.md``
 replaces the body of each block between ``<!-- kernel-table: PATH -->`` and ``<!-- /kernel-table
 -->`` with the tables of PATH, and of each ``<!-- design-floor: PATH -->`` block with
-``design_floor.table`` of that run; ``--check README.md`` exits 1 when a block is not what its
-json gives (``tests/test_kernel_table.py`` runs it on the README).
+``design_floor.table`` of that run; ``--check FILE.md`` exits 1 when a block is not what its
+json gives (``tests/test_kernel_table.py`` runs it on docs/kernel-performance.md).
 
     python benchmarks/kernel_table.py benchmarks/results/h100-2026-11-27-kernel-32.json
-    python benchmarks/kernel_table.py --write README.md   # the json the README's marker names
+    python benchmarks/kernel_table.py --write docs/kernel-performance.md   # the json each marker names
 """
 from __future__ import annotations
 

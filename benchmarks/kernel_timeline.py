@@ -2,8 +2,8 @@
 
 Where does a small launch's time go inside the decode kernel? CUPTI gives a kernel's start
 and end; this gives the moments between. ``instrument(name)`` builds a copy of one shipping
-kernel module (``kernels/decode_wgmma_pp.py`` or ``kernels/decode_wgmma_ws64.py``, the 64-row
-kernels; ``kernels/decode_wgmma_rs.py``, FP8 in 16- or 32-row blocks; ``kernels/decode_wgmma_kt.py``,
+kernel module (``kernels/hopper/decode_wgmma_pp.py`` or ``decode_wgmma_ws64.py``, the 64-row
+kernels; ``decode_wgmma_rs.py``, FP8 in 16- or 32-row blocks; ``decode_wgmma_kt.py``,
 16-bit in 16- or 32-row blocks) with one
 extra pointer argument and a ``%globaltimer`` read stored at each of a few points (``EVENTS``:
 the plan's arrival, q and the first tiles landing, the loop's end, the result stored, and from
@@ -12,7 +12,7 @@ by rewriting the module's source at anchors that must each occur as often as exp
 kernels stay untouched (no argument, no instruction of this tool in them), and a kernel edit
 that moves an anchor makes ``instrument`` fail loudly rather than time the wrong point.
 
-``install(ts)`` routes ``kernels.decode_split``'s launches of those kernels to the copies,
+``install(ts)`` routes the launches of those kernels (``kernels.routes.LAUNCHERS``) to the copies,
 which store into ``ts`` (int64 ``[programs, 32]``, program ``pid_m * num_parts + pid_p``,
 column = event; every thread of the partition stores its own reading, so a slot holds one of
 its threads'); ``summarize`` turns one launch's slots into per-event spreads over programs,
@@ -81,10 +81,11 @@ def kernel_for(kv: str, h: int, s_q: int):
     return "rs" if rows <= 16 else None
 
 
-_MODULES = {"pp": "mla_fuzz.kernels.decode_wgmma_pp", "ws64": "mla_fuzz.kernels.decode_wgmma_ws64", "rs": "mla_fuzz.kernels.decode_wgmma_rs",
-            "kt": "mla_fuzz.kernels.decode_wgmma_kt"}
-_LAUNCHERS = {"pp": "launch_decode_wgmma_pp", "ws64": "launch_decode_wgmma_ws64", "rs": "launch_decode_wgmma_rs",
-              "kt": "launch_decode_wgmma_kt"}
+_MODULES = {"pp": "mla_fuzz.kernels.hopper.decode_wgmma_pp", "ws64": "mla_fuzz.kernels.hopper.decode_wgmma_ws64",
+            "rs": "mla_fuzz.kernels.hopper.decode_wgmma_rs", "kt": "mla_fuzz.kernels.hopper.decode_wgmma_kt"}
+#: each module's launcher, by the route table's kernel name (``kernels.routes.LAUNCHERS``)
+_LAUNCHERS = {"pp": ("wgmma_pp", "launch_decode_wgmma_pp"), "ws64": ("wgmma_ws64", "launch_decode_wgmma_ws64"),
+              "rs": ("wgmma_rs", "launch_decode_wgmma_rs"), "kt": ("wgmma_kt", "launch_decode_wgmma_kt")}
 
 _HELPER = '''
 if gluon is not None:
@@ -232,7 +233,7 @@ def instrument_source(name: str) -> str:
     if name not in _EDITS:
         raise ValueError(f"no timeline for kernel {name!r}; known: {sorted(_EDITS)}")
     module = importlib.import_module(_MODULES[name])
-    src = inspect.getsource(module).replace("from .", "from mla_fuzz.kernels.")
+    src = inspect.getsource(module).replace("from .", "from mla_fuzz.kernels.hopper.")
     marker = "\n__all__ = ["
     if src.count(marker) != 1:
         raise ValueError(f"{_MODULES[name]}: no single '__all__' line to put the timer helper before")
@@ -259,22 +260,21 @@ def instrument(name: str):
 
 
 def install(ts: torch.Tensor):
-    """Route ``kernels.decode_split``'s pp, ws64, rs and kt launches to the instrumented copies, storing
-    into ``ts`` (int64 ``[programs, 32]``, zeroed by the caller before each launch to be read).
+    """Route the pp, ws64, rs and kt launches (``kernels.routes.LAUNCHERS``) to the instrumented copies,
+    storing into ``ts`` (int64 ``[programs, 32]``, zeroed by the caller before each launch to be read).
     Returns a function that restores the shipping launchers."""
-    import mla_fuzz.kernels.decode_split as ds
+    from mla_fuzz.kernels import routes
     if ts.dtype != torch.int64 or ts.dim() != 2 or ts.shape[1] != SLOTS:
         raise ValueError(f"ts must be int64 [programs, 32], got {tuple(ts.shape)} {ts.dtype}")
     saved = {}
-    for name, launcher in _LAUNCHERS.items():
+    for name, (kernel, launcher) in _LAUNCHERS.items():
         mod = instrument(name)
         mod.TS[0] = ts
-        saved[launcher] = getattr(ds, launcher)
-        setattr(ds, launcher, getattr(mod, launcher))
+        saved[kernel] = routes.LAUNCHERS[kernel]
+        routes.LAUNCHERS[kernel] = getattr(mod, launcher)
 
     def restore():
-        for launcher, fn in saved.items():
-            setattr(ds, launcher, fn)
+        routes.LAUNCHERS.update(saved)
 
     return restore
 

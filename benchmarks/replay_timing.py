@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_fuzz.kernels.pdl import grid_wait
+from mla_fuzz.kernels.hopper.pdl import grid_wait
 
 #: bytes the flush reads: five times an H100's / H200's 50 / 60 MB L2
 FLUSH_BYTES = 256 * 1024 * 1024
@@ -80,7 +80,7 @@ def _read_kernel(x_ptr, out_ptr, n_words, y_ptr, n_y, z_ptr, n_z, WORDS: tl.cons
     # keep enough bytes in flight to run at the copy rate. Then zeros over the first n_y words
     # of y and n_z of z (none when 0): in a decode's place, the partials it would store, so
     # that the combine after it finds them in L2 as it would. WAIT: launched with PDL in a
-    # decode's place, it first waits for the planner as the decode does (kernels/pdl.py)
+    # decode's place, it first waits for the planner as the decode does (kernels/hopper/pdl.py)
     if WAIT:
         grid_wait()
     pid = tl.program_id(0)
@@ -133,7 +133,7 @@ class ReadReference:
         ``programs`` one-SM programs (``SM_WARPS`` / ``SM_WORDS``: the read of that many SMs).
         ``after_grid``: launched with PDL, it waits for the previous grid first, as a decode
         launched in its place waits for the plan (the device must take PDL:
-        ``kernels.pdl.pdl_on``). ``stores``: up to two contiguous tensors it then fills with
+        ``kernels.hopper.pdl.pdl_on``). ``stores``: up to two contiguous tensors it then fills with
         zero bytes (sizes multiples of 4 bytes)."""
         n = nbytes // 4
         if n > self.data.numel() // 2:

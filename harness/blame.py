@@ -32,6 +32,22 @@ class InternalError(RuntimeError):
     """An exception that did not come from the backend's code: a bug of the harness."""
 
 
+class CudaContextLost(BaseException):
+    """A CUDA error that poisons the process's context (illegal memory access, device-side
+    assert, launch failure): nothing that runs after it in this process means anything. A
+    BaseException, so the search does not try to shrink it in the same process; the worker
+    exits on it and the campaign records a crash for the step that was running, replayed and
+    reduced in fresh processes, as for a segfault."""
+
+    EXIT_CODE = 70  # crash_repro.CUDA_LOST_EXIT
+
+
+def is_cuda_error(text: str | None) -> bool:
+    """Whether an error message names a CUDA (device) error that poisons the context."""
+    from .bisect_step import is_cuda_error as _is
+    return _is(text)
+
+
 def call_backend(fn, *args, **kwargs):
     """Every call the harness makes into backend code goes through here, so that an
     exception's traceback says whether it was raised below a backend call (the backend's
@@ -106,12 +122,25 @@ def _library(path: Path) -> bool:
     return _is_under(path, [_HERE]) and not _is_under(path, [_MUTANTS])
 
 
-def site_of(exc: BaseException, backend_cls) -> str | None:
+def _frames(links) -> list:
+    """The stack from the harness down to where the last of ``links`` was raised: each
+    exception's traceback runs from where it was caught to where it was raised, so an error
+    caught and re-raised inside the backend (Triton's interpreter wraps every kernel error)
+    has the harness's frames in the outer link's traceback and the kernel's in the inner's."""
+    out = []
+    for e in links:
+        if e.__traceback__ is not None:
+            out.extend(traceback.extract_tb(e.__traceback__))
+    return out
+
+
+def site_of(exc: BaseException, backend_cls, outer: tuple = ()) -> str | None:
     """Where in the backend ``exc`` was raised: ``file:line`` of the innermost frame below the
     harness's call into the backend that is in the backend's own files, failing that one that
     is neither a library's nor the harness's, failing that (compiled code) the backend
-    function the harness called. None when ``exc`` was not raised below a backend call."""
-    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    function the harness called. None when ``exc`` was not raised below a backend call.
+    ``outer``: the exceptions that wrapped ``exc``, outermost first (``chain``)."""
+    frames = _frames([*outer, exc])
     below = _backend_frames(frames)
     if below is None:
         return None
@@ -138,15 +167,15 @@ def judge(exc: BaseException, backend_cls) -> Verdict:
     from .graphs.errors import CaptureError
 
     links = chain(exc)
-    for e in links:  # an input the backend declines, wherever it was raised in the backend
-        if isinstance(e, NotImplementedError) and site_of(e, backend_cls) is not None:
+    for i, e in enumerate(links):  # an input the backend declines, wherever it was raised in the backend
+        if isinstance(e, NotImplementedError) and site_of(e, backend_cls, tuple(links[:i])) is not None:
             from mla_fuzz.mla_ref import Unsupported
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return Verdict("unsupported", e, site_of(e, backend_cls),
+            return Verdict("unsupported", e, site_of(e, backend_cls, tuple(links[:i])),
                            reason if isinstance(e, Unsupported) else f"NotImplementedError: {reason}")
     origin = links[-1]
     text = " | ".join(str(e) for e in links)
-    site = site_of(origin, backend_cls)
+    site = site_of(origin, backend_cls, tuple(links[:-1]))
     if site is None:
         return Verdict("internal", origin, None, first_line(origin))
     if _RAW_TRITON in text:

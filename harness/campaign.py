@@ -44,6 +44,15 @@ def chunk_seed(seed: int, k: int) -> int:
     return int.from_bytes(h, "little")
 
 
+def shard_chunks(examples: int, chunk: int, shard: tuple = (0, 1)) -> list[tuple[int, int]]:
+    """``(k, examples)`` of the chunks that shard ``I/N`` of an ``examples``-bounded campaign
+    runs: the unsharded campaign's chunks ``k`` (``examples`` in chunks of ``chunk``) with
+    ``k % N == I``, each with the examples the unsharded campaign gives it."""
+    i, n = shard
+    count = -(-examples // chunk)
+    return [(k, min(chunk, examples - k * chunk)) for k in range(i, count, n)]
+
+
 @dataclass
 class CampaignOptions:
     """What ``mla-fuzz run`` asked for; ``graph`` is already resolved (cuda/emulated/eager)."""
@@ -69,6 +78,9 @@ class CampaignOptions:
     narrow: dict = field(default_factory=dict)
     # judge every tensor a kernel gets for contiguity, not only the metadata's views
     strict_contiguity: bool = False
+    # (I, N): run only the chunks k with k % N == I, each seeded as in the unsharded campaign
+    # (with ``examples``: the unsharded campaign's chunks covering them; see ``shard_chunks``)
+    shard: tuple = (0, 1)
 
 
 @dataclass
@@ -114,6 +126,7 @@ class CampaignResult:
     workers: int = 1
     state: str = "starting"
     startup_s: float | None = None                    # until the first worker was ready
+    chunks_run: list = field(default_factory=list)    # [k, seed] of every chunk dispatched
 
     @property
     def rate(self) -> float:
@@ -133,7 +146,7 @@ class CampaignResult:
             "capabilities": self.capabilities, "narrow": o.narrow, "unsupported": dict(self.unsupported),
             "failures_by_class": dict(self.failures),
             "failures": [f.to_dict() for f in self.findings.values()], "errors": self.errors,
-            "warnings": self.warnings,
+            "warnings": self.warnings, "shard": list(o.shard), "chunks_run": sorted(self.chunks_run),
         }
 
 
@@ -199,8 +212,17 @@ class CampaignRun:
         self.display = display
         self.result = CampaignResult(opts, workers=len(opts.worker_envs))
         self._log_dir = log_dir
-        self._next_chunk = 0
+        self._next_chunk = opts.shard[0]
         self._dispatched = 0
+        # examples this campaign dispatches (its shard's share of ``--examples``)
+        self._quota = opts.examples
+        if opts.examples is not None and opts.shard[1] > 1:
+            self._quota = sum(n for _, n in shard_chunks(opts.examples, opts.chunk, opts.shard))
+            if self._quota == 0:
+                i, n = opts.shard
+                self.result.warnings.append(
+                    f"shard {i}/{n} has no chunks to run: --examples {opts.examples} in chunks of {opts.chunk} "
+                    f"make {-(-opts.examples // opts.chunk)} chunk(s), fewer than the {n} shards")
         self._live: dict[str, _Live] = {}
         self._reducers: dict[str, StepReducer] = {}   # signature -> reducer
         self._reducing: dict[str, str] = {}           # task id -> signature
@@ -313,7 +335,7 @@ class CampaignRun:
         left = self._time_left()
         if left is not None and left <= 0.2:
             return False
-        return self.opts.examples is None or self._dispatched < self.opts.examples
+        return self._quota is None or self._dispatched < self._quota
 
     def _reduce_allowed(self) -> bool:
         if self._stopping and self.result.interrupted:
@@ -338,13 +360,23 @@ class CampaignRun:
         if not self._chunks_left():
             return None
         k = self._next_chunk
-        n = opts.chunk if opts.examples is None else min(opts.chunk, opts.examples - self._dispatched)
-        self._next_chunk += 1
+        if opts.examples is None:
+            n = opts.chunk
+        elif opts.shard[1] == 1:
+            n = min(opts.chunk, opts.examples - self._dispatched)
+        else:
+            # chunk k gets what the unsharded campaign gives it; past those (examples a dead
+            # chunk never ran came back), further chunks of this shard take the rest
+            planned = opts.examples - k * opts.chunk
+            n = min(opts.chunk, self._quota - self._dispatched, *([planned] if planned > 0 else []))
+        self._next_chunk += opts.shard[1]
         self._dispatched += n
         tid = f"c{k}"
         self._live[tid] = _Live()
+        seed = chunk_seed(opts.seed, k)
+        self.result.chunks_run.append([k, seed])
         return {"op": "fuzz", "id": tid, "backend": opts.backend, "graph": opts.graph, "spec": opts.spec,
-                "examples": n, "seed": chunk_seed(opts.seed, k), "budget_s": self._time_left(), "shrink": True,
+                "examples": n, "seed": seed, "budget_s": self._time_left(), "shrink": True,
                 "shrink_seconds": shrink_seconds(opts.budget_s), "chunk": k, "narrow": opts.narrow,
                 "strict_contiguity": opts.strict_contiguity, "known": sorted(self._known)}
 

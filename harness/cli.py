@@ -1,4 +1,4 @@
-"""``mla-fuzz``: the command line (``run``, ``replay``, ``mutants``, ``bisect``, ``bench``).
+"""``mla-fuzz``: the command line (``run``, ``replay``, ``merge``, ``mutants``, ``bisect``, ``bench``).
 
 Exit codes: 0 nothing found (or every repro fixed); 1 failures found (a repro still
 fails, a mutant escaped or the clean backend was flagged); 2 usage or input error (bad
@@ -106,6 +106,9 @@ def _build_parser() -> _Parser:
     lim.add_argument("--workers", default="1", metavar="N|auto",
                      help="worker processes: N, or auto = one per GPU (cuda) / per CPU core (emulated)")
     lim.add_argument("--chunk", default=None, metavar="N", help="examples per fuzz() call (default 100)")
+    lim.add_argument("--shard", default=None, metavar="I/N",
+                     help="run only chunks k with k %% N == I (0 <= I < N) of the seeded campaign, so N machines "
+                          "share it; combine their reports with 'mla-fuzz merge' (default 0/1: all chunks)")
     lim.add_argument("--mps", action="store_true",
                      help="cuda: run the workers under private CUDA MPS daemons (one per GPU), so several workers share a "
                           "GPU concurrently (use with --workers N > GPUs); crash repros are then confirmed "
@@ -128,6 +131,15 @@ def _build_parser() -> _Parser:
     rep.add_argument("--case-timeout", default=None, metavar="SECONDS",
                      help=f"for isolated replays: a step running longer is a hang (default {DEFAULT_CASE_TIMEOUT_S:g})")
     rep.add_argument("--json", default=None, metavar="FILE", help="write the outcomes as JSON")
+
+    mrg = sub.add_parser("merge", help="combine the reports and corpora of sharded campaigns",
+                         description="Combine the --json reports of one campaign's shards (run --shard I/N): counts "
+                                     "and coverage add up, failures are deduplicated by signature (the smaller repro "
+                                     "wins) into one corpus. Exit 1 if any failure, 0 if none, 2 for a missing or "
+                                     "malformed report or reports of different campaigns.")
+    mrg.add_argument("reports", nargs="+", metavar="REPORT", help="campaign reports (mla-fuzz run --json)")
+    mrg.add_argument("--corpus", required=True, metavar="DIR", help="where the merged repro files go")
+    mrg.add_argument("--json", default=None, metavar="OUT", help="write the merged report as JSON")
 
     mut = sub.add_parser("mutants", help="mutation detection matrix",
                          description="Fuzz every mutant and the clean triton backend; one row each. Exit 1 if a "
@@ -180,6 +192,16 @@ def _seed(text) -> int:
         return int(text)
     except ValueError:
         raise UsageError(f"--seed: expected an integer, got {text!r}") from None
+
+
+def _shard(text) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``0 <= I < N``; UsageError otherwise."""
+    if text is None:
+        return (0, 1)
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if m is None or not int(m.group(1)) < int(m.group(2)):
+        raise UsageError(f"--shard: expected I/N with 0 <= I < N (e.g. 0/8), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def _case_timeout(text) -> float:
@@ -291,7 +313,7 @@ def _print_lines(lines, stream=None) -> None:
 
 # -- commands ------------------------------------------------------------------------------
 def cmd_run(args) -> int:
-    from .campaign import DEFAULT_CHUNK, CampaignOptions, CampaignRun, worker_envs
+    from .campaign import DEFAULT_CHUNK, CampaignOptions, CampaignRun, shard_chunks, worker_envs
     from .progress import make_progress
     from .render import summary_lines
 
@@ -301,6 +323,7 @@ def cmd_run(args) -> int:
     examples = None if args.examples is None else _positive_int("--examples", args.examples)
     budget = parse_duration(args.budget) if args.budget is not None else (None if examples else DEFAULT_BUDGET_S)
     chunk = DEFAULT_CHUNK if args.chunk is None else _positive_int("--chunk", args.chunk)
+    shard = _shard(args.shard)
     seed, case_timeout, workers = _seed(args.seed), _case_timeout(args.case_timeout), _workers(args.workers)
     mode = _resolve_mode(args.graph)
     narrow = _narrow(args)
@@ -313,11 +336,15 @@ def cmd_run(args) -> int:
     opts = CampaignOptions(backend=backend, graph=mode, spec=args.spec, budget_s=budget, examples=examples, seed=seed,
                            corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
                            case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce, mps=args.mps,
-                           narrow=narrow, strict_contiguity=args.strict_contiguity)
+                           narrow=narrow, strict_contiguity=args.strict_contiguity, shard=shard)
     print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {args.spec}, seed {seed}, "
-          f"{len(opts.worker_envs)} worker(s){' under MPS' if args.mps else ''}, "
+          + ("" if shard[1] == 1 else f"shard {shard[0]}/{shard[1]}, ")
+          + f"{len(opts.worker_envs)} worker(s){' under MPS' if args.mps else ''}, "
           + ("no time limit" if budget is None else f"budget {budget:g}s")
-          + ("" if examples is None else f", {examples} examples"), file=sys.stderr, flush=True)
+          + ("" if examples is None else f", {examples} examples")
+          + ("" if examples is None or shard[1] == 1 else
+             f" ({sum(n for _, n in shard_chunks(examples, chunk, shard))} in this shard's chunks)"),
+          file=sys.stderr, flush=True)
     print(f"capabilities: {caps_line}", file=sys.stderr, flush=True)
     for n in notes:
         print(n, file=sys.stderr, flush=True)
@@ -413,6 +440,23 @@ def cmd_replay(args) -> int:
     return code
 
 
+def cmd_merge(args) -> int:
+    from .merge import MergeError, merge_reports, summary_lines
+
+    _check_writable_dir("--corpus", args.corpus)
+    if args.json:
+        _check_writable_file("--json", args.json)
+    try:
+        report = merge_reports(args.reports, Path(args.corpus))
+    except MergeError as exc:
+        raise UsageError(str(exc)) from None
+    _print_lines(summary_lines(report))
+    if args.json:
+        write_json(args.json, report)
+        print(f"report: {args.json}")
+    return report["exit_code"]
+
+
 def _is_process(data) -> bool:
     from .crash_repro import is_process_failure
     return is_process_failure(data)
@@ -459,6 +503,12 @@ def cmd_mutants(args) -> int:
         if unknown:
             raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(names)}")
         names = wanted
+    if args.only is None and (mode == "cuda" or (mode == "eager" and _cuda())):
+        from .mutants import INTERPRETER_ONLY
+        for n in sorted(set(names) & INTERPRETER_ONLY):
+            print(f"mla-fuzz mutants: {n} not run on the GPU: its only symptom is an access outside the kernel's "
+                  "tensors, which only the CPU interpreter's bounds check sees (--graph emulated)", file=sys.stderr)
+        names = [n for n in names if n not in INTERPRETER_ONLY]
     refs = [f"mutant:{n}" for n in names] + ([] if args.no_clean else [CLEAN])
     print(f"mla-fuzz mutants: {len(refs)} backends, graph {mode}, spec {args.spec}, {examples} examples, seed {seed}",
           file=sys.stderr, flush=True)
@@ -552,7 +602,7 @@ def cmd_bench(args) -> int:
     return code
 
 
-COMMANDS = {"run": cmd_run, "replay": cmd_replay, "mutants": cmd_mutants, "bisect": cmd_bisect,
+COMMANDS = {"run": cmd_run, "replay": cmd_replay, "merge": cmd_merge, "mutants": cmd_mutants, "bisect": cmd_bisect,
             "bench": cmd_bench}
 
 

@@ -27,9 +27,16 @@ def is_process_failure(repro: dict) -> bool:
     return (repro.get("failure") or {}).get("oracle") in PROCESS_ORACLES
 
 
+#: a worker's exit code when a CUDA error poisoned its context (``blame.CudaContextLost``)
+CUDA_LOST_EXIT = 70
+
+
 def _how(kind: str, info: dict, case_timeout: float | None) -> str:
     if kind == "hung":
         return f"did not finish within {case_timeout:g} s (--case-timeout); the worker was killed"
+    if info.get("returncode") == CUDA_LOST_EXIT:
+        return ("made a CUDA error that poisons the context (illegal memory access, device-side assert, launch "
+                "failure); the worker was replaced")
     sig = info.get("signal")
     return f"killed the worker ({'killed by ' + sig if sig else 'exit code ' + str(info.get('returncode'))})"
 
@@ -64,7 +71,11 @@ def crash_repro(kind: str, backend: str, graph_mode: str, info: dict, search: di
         tail = [ln for ln in evidence["log_tail"] if ln.strip()]
         if tail:
             message += f"; worker log: {log_summary(tail)}"
-        failure = {"oracle": ORACLES[kind], "step": k, "message": message, "evidence": evidence}
+        # what kind of death, so an abort and an illegal memory access are two findings
+        why = ("cuda-context-lost" if info.get("returncode") == CUDA_LOST_EXIT else
+               info.get("signal") or f"exit {info.get('returncode')}")
+        failure = {"oracle": ORACLES[kind], "step": k, "message": message, "evidence": evidence,
+                   "key": ORACLES[kind] if kind == "hung" else f"{ORACLES[kind]}:{why}"}
         cls = CLASSES[kind]
         oracle = ORACLES[kind]
         explanation = (("the backend never returned from this step: an infinite loop, a deadlock, or a kernel "

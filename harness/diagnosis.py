@@ -2,9 +2,11 @@
 
 Classes: ``stale-address``, ``laziness``, ``contiguity``, ``padding-leak``,
 ``cache-corruption``, ``host-sync``, ``numerical``, ``backend-error``, ``contract``,
-``custom-op``, ``capture-divergence``, ``crash`` (a process death, see ``crash_repro``).
+``custom-op``, ``capture-divergence``, ``out-of-bounds``, ``crash`` (a process death, see
+``crash_repro``).
 The direct oracles (contiguity, integrity, host read in capture, backend error, output
-contract, custom-op) name their class. Output mismatches and moved addresses are explained
+contract, custom-op) name their class. Output mismatches, moved addresses and accesses out
+of bounds (``bounds``: interpreted kernels only, ``memory_guard``) are explained
 by *experiments*, each a deterministic re-run of the scenario with one thing changed:
 
 0. (backends with ``build_for_capture``) capturing with ``build`` instead: if the failure
@@ -13,7 +15,7 @@ by *experiments*, each a deterministic re-run of the scenario with one thing cha
 
 1. poisoning off: if the failure disappears, NaN placed only in padding reached real
    rows -> padding-leak (also when only seq_len-0 rows are wrong: padding-shaped rows);
-1b. (reference or finite oracle) the failing step as an eager step: if it fails after the
+1b. (reference, finite or bounds oracle) the failing step as an eager step: if it fails after the
    scenario's earlier steps (so no graph is needed) but passes alone on a fresh backend, the
    output depends on what earlier builds left in persistent buffers (e.g. an nnz-sized copy
    leaving the previous step's tail, vLLM #42604) -> stale-address;
@@ -24,9 +26,11 @@ by *experiments*, each a deterministic re-run of the scenario with one thing cha
    metadata address is stable and every kernel is present, the graph froze host-side
    values computed from the capture-time batch -> laziness (host-decided plan);
 4. the failing step eager without padding rows: if it passes, padded rows influence
-   real rows -> padding-leak;
+   real rows -> padding-leak (for an access out of bounds: padded rows send the kernel
+   outside its tensors -> out-of-bounds);
 5. otherwise a replay/eager divergence -> stale-address (a tensor read by the graph that
-   the audit could not see), an eager/reference divergence -> numerical.
+   the audit could not see), an eager/reference divergence -> numerical, an access out of
+   bounds -> out-of-bounds.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from .oracles import OracleFailure
 from .scenario import ScenarioConfig
 
 CLASSES = ("stale-address", "laziness", "contiguity", "padding-leak", "cache-corruption", "host-sync",
-           "numerical", "backend-error", "contract", "custom-op", "capture-divergence", "crash")
+           "numerical", "backend-error", "contract", "custom-op", "capture-divergence", "out-of-bounds", "crash")
 
 
 @dataclass
@@ -92,7 +96,7 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
     # 1b. state left by earlier builds: the step's *eager* output is wrong after this history
     # (for a replay: re-run it as an eager step, so the graph is out of the picture) but
     # right on a fresh backend with no history
-    if o in ("reference", "finite") and k > 0:
+    if o in ("reference", "finite", "bounds") and k > 0:
         as_eager = {"op": "eager", "batch": failing["batch"], "pad_to": failing.get("size") or failing.get("pad_to"),
                     "poison": bool(failing.get("poison"))}
         eager_wrong = failing["op"] == "eager" or rerun(upto[:k] + [as_eager]) is not None
@@ -126,7 +130,13 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
             failing.get("size") or failing.get("pad_to") or 0):
         unpadded = copy.deepcopy(upto)
         unpadded[k] = {"op": "eager", "batch": failing["batch"], "pad_to": None, "poison": False}
-        if rerun(unpadded) is None:
+        passes_unpadded = rerun(unpadded) is None
+        if passes_unpadded and o == "bounds":
+            return Diagnosis("out-of-bounds", f"step {k} reads or writes outside the kernel's tensors with its batch "
+                             f"padded to {failing.get('size') or failing.get('pad_to')} rows, and not without the "
+                             "padding rows: what the builder writes for padded rows (their seq_len, their block-table "
+                             "row) sends the kernel outside the cache. " + failure.message, o)
+        if passes_unpadded:
             return Diagnosis("padding-leak", f"step {k} fails with its batch padded to "
                              f"{failing.get('size') or failing.get('pad_to')} rows but passes run eagerly without "
                              "padding rows: padded rows influence real rows (e.g. an uninitialised padded output "
@@ -137,6 +147,10 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                          "metadata audit saw stable addresses: the graph reads a tensor the audit cannot see "
                          "(allocated outside the metadata object) that was replaced after capture. "
                          + failure.message, o)
+    if o == "bounds":
+        return Diagnosis("out-of-bounds", "a kernel reads or writes outside the tensors it was given, in a forward "
+                         "with no graph, padding or history to blame (its index arithmetic or a mask is wrong for "
+                         "this batch). " + failure.message, o)
     zero = {i for i, s in enumerate(failing["batch"]["seq_lens"]) if s == 0}
     rows = set(failure.evidence.get("rows") or [])
     if rows and rows <= zero:

@@ -23,6 +23,7 @@ import torch
 from mla_fuzz import mla_ref
 from mla_fuzz.mla_ref import DecodeBatch
 
+from . import memory_guard
 from .audit import OpAudit, OpLog, tensor_fields
 from .blame import CUSTOM_OP_DOC, InternalError, call_backend, judge
 from .graphs import make_runner
@@ -88,6 +89,7 @@ class ScenarioRunner:
     def __init__(self, backend_cls, cfg: ScenarioConfig, graph_mode: str = "auto", device=None,
                  strict_contiguity: bool = False, capture_build: bool = True):
         cfg.validate()
+        memory_guard.install_for_interpreter()
         self.cfg = cfg
         self.caps = mla_ref.capabilities_of(backend_cls)
         # Graph-pool allocations are NaN-filled (deterministic-mode fill) so a kernel that
@@ -105,7 +107,7 @@ class ScenarioRunner:
         self.backend = self._new_backend()
         self.layer = None
         if cfg.layer:
-            from mla_fuzz.kernels import MLADecodeLayer
+            from mla_fuzz.harness.layer import MLADecodeLayer
             self.layer = MLADecodeLayer(self.spec, self.world.weights, self.backend)
         self.strict_contiguity = strict_contiguity
         self.capture_build = capture_build
@@ -250,6 +252,12 @@ class ScenarioRunner:
             if isinstance(e, OracleFailure):
                 return e
         v = judge(exc, self.backend_cls)
+        oob = next((e for e in chain(exc) if isinstance(e, memory_guard.OutOfBounds)), None)
+        if oob is not None and v.site is not None:
+            return OracleFailure("bounds", f"{oob} (at {v.site})", self.index,
+                                 {"site": v.site, "exc_type": "OutOfBounds",
+                                  "traceback": "".join(traceback.format_exception(type(oob), oob, oob.__traceback__,
+                                                                                  limit=-12))})
         if v.kind == "internal":
             raise InternalError(f"mla-fuzz itself failed ({v.reason}); please report it with this traceback") from exc
         where = f" (at {v.site})" if v.site else ""

@@ -12,7 +12,8 @@ Import this module (or list it in ``MLA_FUZZ_FIDELITY_MODULES``) to register the
 from __future__ import annotations
 
 
-from mla_fuzz.kernels import MLADecodeLayer, TritonMLABackend
+from mla_fuzz.harness.layer import MLADecodeLayer
+from mla_fuzz.kernels import TritonMLABackend
 from mla_fuzz.mla_ref import ModelSpec
 
 from .executor import nan_fill_uninitialised

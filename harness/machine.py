@@ -10,16 +10,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, Phase, Verbosity, reject, settings
+from hypothesis import HealthCheck, Phase, Verbosity, reject, seed as hypothesis_seed, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from mla_fuzz.mla_ref import Capabilities, ModelSpec
 
+from .blame import CudaContextLost, is_cuda_error
 from .executor import ScenarioRunner, StepUnsupported
 from .loading import supports_layer, supports_sparse
 from .oracles import OracleFailure, failure_key
 from .scenario import ScenarioConfig, scenario_coverage, step_coverage
+from .settle import settle
 from .strategies import batch_draws, configs
 
 
@@ -55,7 +57,12 @@ class Campaign:
     # The first failure as found (unshrunk): what is left to report when shrinking cannot
     # reproduce it (a flaky failure) and Hypothesis gives up on the search.
     first_failure: FuzzFailure | None = None
+    # The latest failure with the first one's key: while shrinking, each is smaller than the
+    # one before (Hypothesis keeps a candidate only when it is), so it is the best so far.
+    latest_failure: FuzzFailure | None = None
     deadline: float | None = None
+    # Seconds shrinking may take after the first failure (None: Hypothesis' own bound).
+    shrink_seconds: float | None = None
     # Called with (config, steps so far) right before each step runs, so a supervising
     # process can turn a step that kills this process into a repro (crash isolation).
     on_step: object = None
@@ -74,6 +81,11 @@ class Campaign:
 class BudgetExhausted(BaseException):
     """Raised inside a rule when the campaign's wall-clock budget is spent (BaseException so
     Hypothesis does not treat it as a failure to shrink)."""
+
+
+class ShrinkTimeUp(BaseException):
+    """Raised between scenarios when shrinking has had its ``shrink_seconds``; the search
+    returns the smallest failure seen so far."""
 
 
 def make_machine(c: Campaign):
@@ -104,6 +116,9 @@ def make_machine(c: Campaign):
             # failure is being shrunk, which shrink_seconds bounds; stopping then would
             # make Hypothesis drop the failure as flaky.
             pending = "first_failure" in c.stats
+            if (pending and c.shrink_seconds is not None
+                    and time.monotonic() > c.stats["first_failure"]["time"] + c.shrink_seconds):
+                raise ShrinkTimeUp()
             if not pending and ((c.deadline is not None and time.monotonic() > c.deadline)
                                 or (c.should_stop is not None and c.should_stop())):
                 raise BudgetExhausted()
@@ -148,6 +163,8 @@ def make_machine(c: Campaign):
                 c.count("unsupported", u.reason if u.declared else f"{u.reason} (plain NotImplementedError)")
                 reject()
             except OracleFailure as f:
+                if f.oracle != "bounds" and is_cuda_error(f.message):
+                    raise CudaContextLost(f"step {len(self.steps) - 1}: {f.message}") from None
                 key = failure_key(f)
                 pending = c.stats.get("first_failure")
                 if key in c.known or (pending is not None and pending["key"] != key):
@@ -158,6 +175,7 @@ def make_machine(c: Campaign):
                 failure = FuzzFailure(f, self.cfg, list(self.steps))
                 if c.first_failure is None:
                     c.first_failure = failure
+                c.latest_failure = failure
                 raise failure from None
 
         def _capture(self, data):
@@ -211,18 +229,14 @@ def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, sh
                  phases=phases, report_multiple_bugs=False, derandomize=False, print_blob=False,
                  verbosity=Verbosity.quiet,
                  suppress_health_check=list(HealthCheck))
-    test = get_state_machine_test(make_machine(c), settings=s)
-    test._hypothesis_internal_use_seed = seed
-    # Hypothesis bounds shrinking by wall time only through this module constant (300 s);
-    # a campaign with a budget needs a tighter bound, so it is set for this run alone.
-    from hypothesis.internal.conjecture import engine
-    saved = engine.MAX_SHRINKING_SECONDS
-    if shrink_seconds is not None:
-        engine.MAX_SHRINKING_SECONDS = shrink_seconds
+    # shrinking is bounded by the machine itself (ShrinkTimeUp): Hypothesis' own bound is a
+    # private module constant
+    c.shrink_seconds = shrink_seconds
+    settle(c.backend_cls)
     try:
-        test()
+        run_state_machine_as_test(hypothesis_seed(seed)(make_machine(c)), settings=s)
     except FuzzFailure as f:
         return f
-    finally:
-        engine.MAX_SHRINKING_SECONDS = saved
+    except ShrinkTimeUp:
+        return c.latest_failure
     return None

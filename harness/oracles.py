@@ -38,6 +38,8 @@ ORACLES = (
            "every forward"),
     Oracle("backend-error", "the backend's code raised (the first error of a capture, unwrapped), at its file:line",
            "every step"),
+    Oracle("bounds", "every load and store of an interpreted kernel stays inside the tensors of its launch, "
+           "at the kernel's file:line", "every step, TRITON_INTERPRET=1 only"),
     Oracle("host-sync", "no host read or sync while a graph is captured", "capture"),
     Oracle("custom-op", "every kernel launch is recordable under emulation (a dispatched op)", "emulated capture"),
     Oracle("contiguity", "no non-contiguous view of the builder's metadata reaches a kernel (strict: any tensor)",

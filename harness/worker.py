@@ -57,6 +57,19 @@ def _on_stop(signum, frame) -> None:
     _STOP = True
 
 
+# bound in main() once the harness imports (this module's top imports only the stdlib)
+CudaContextLost = is_cuda_error = None
+
+
+def _lost(message: str) -> None:
+    """The CUDA context is poisoned: say so in the log the parent reads and exit, so the
+    parent records a crash for the step in flight and starts a fresh worker."""
+    first = message.strip().splitlines()[0] if message.strip() else "CUDA error"
+    sys.stderr.write(f"mla-fuzz worker: CUDA context lost, exiting: {first}\n")
+    sys.stderr.flush()
+    os._exit(CudaContextLost.EXIT_CODE)
+
+
 def _check_parent() -> None:
     # An orphaned worker (parent killed with -9) must not keep a GPU busy.
     if os.getppid() != _PARENT:
@@ -167,6 +180,8 @@ def main(argv=None) -> int:
 
         import torch  # (import cost is paid before 'ready', not inside a task)
         importlib.import_module("mla_fuzz.harness.fuzz")
+        global CudaContextLost, is_cuda_error
+        from mla_fuzz.harness.blame import CudaContextLost, is_cuda_error
         threads = os.environ.get("MLA_FUZZ_TORCH_THREADS")
         if threads:
             torch.set_num_threads(int(threads))
@@ -187,7 +202,11 @@ def main(argv=None) -> int:
         try:
             body = {"fuzz": _fuzz_task, "replay": _replay_task}[task["op"]](task)
             send({"t": "done", "task": task["id"], "wall": time.time() - t0, **body})
+        except CudaContextLost as exc:
+            _lost(str(exc))
         except Exception as exc:
+            if is_cuda_error(f"{type(exc).__name__}: {exc}"):
+                _lost(f"{type(exc).__name__}: {exc}")
             kind = "input" if isinstance(exc, ValueError) else "internal"
             send({"t": "error", "task": task.get("id"), "kind": kind, "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()})

@@ -73,7 +73,8 @@ import torch
 from mla_fuzz.mla_ref import DecodeBatch, ModelSpec
 
 from . import ops
-from .config import DecodeConfig, check_spec_supported, default_config
+from .config import DecodeConfig, check_spec_supported
+from .routes import default_config
 from .decode import alloc_partials, alloc_sparse_partials, token_context
 from .indexer import indexer_topk
 from .sched import SchedState
@@ -447,7 +448,7 @@ class TritonMLABackend:
         ops.decode_split(q, kv_cache, md.block_table, md.seq_lens, md.ctx_lens, md.ctx_width, md.part_info,
                          md.num_splits, md.split_offsets, out, lse, partial_o, partial_lse, spec.softmax_scale,
                          spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group, cfg.block_m, cfg.block_n,
-                         cfg.num_warps, cfg.num_stages, cfg.fp8_prefetch, cfg.fp8_grouped)
+                         cfg.num_warps, cfg.num_stages, cfg.fp8_grouped, cfg.kernel)
 
     def _combine(self, md: TritonMLAMetadata, out, lse, partial_o, partial_lse) -> None:
         """Merge split rows and write 0 / -inf rows for requests without keys (all padded rows)."""

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .config import interpreter_release_semantics, interpreting
+from .config import interpreting
 
 __all__ = ["describe", "check_tensor", "check_device"]
 
@@ -47,7 +47,6 @@ def check_device(device: torch.device, **tensors) -> None:
         if not interpreting():
             raise ValueError("the Triton kernels need CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
                              "before triton is imported")
-        interpreter_release_semantics()
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"tensors must be on CUDA (or CPU under the interpreter), got {device}")
     for name, t in tensors.items():

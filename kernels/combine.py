@@ -1,69 +1,39 @@
 """Combine kernel: merge the fp32 partials of split requests into ``out`` and ``lse``.
 
-Grid ``(B, ceil(s_q*h / BLOCK_M), col_blocks)`` — fixed by the padded batch size and the
+Grid ``(B, ceil(s_q*h / BLOCK_M), col_blocks)`` -- fixed by the padded batch size and the
 config. Program ``(b, mb, c)`` merges latent columns ``c * BLOCK_R ...`` (``BLOCK_R = rank /
 col_blocks``) of rows ``mb * BLOCK_M ...`` of request ``b``; column block 0 also writes the
-rows' lse. Splitting the columns is for the GPU: a long request in few pieces of a small
-batch is otherwise merged by a single program reading every piece's ``[BLOCK_M, rank]``
-fp32 rows one after the other (B=8, L=16k, h=16 on an H100: 16 pieces a request, 8
-programs, 11.8 us for 4 MB); the interpreter keeps one column block (``col_blocks=1``),
-since its cost is per executed op. Per request:
+rows' lse. Splitting the columns is for the GPU (a long request in few pieces of a small batch
+would otherwise be merged by one program reading every piece in turn); the interpreter keeps one
+column block, since its cost is per executed op. Per request:
 
-- ``num_splits == 1``: the decode kernel already wrote the final rows; the program
-  returns after loading ``num_splits``;
-- ``num_splits >= 2``: log-sum-exp merge of its pieces' partials (pieces past the partial
-  buffer are not read; a request left with none gets 0 / -inf);
-- ``num_splits == 0`` (seq_len 0, e.g. a padded row): out 0, lse -inf written explicitly
-  (without the merge's loops), so no output row is ever left uninitialised.
+- ``num_splits == 1``: the decode kernel already wrote the final rows; the program returns after
+  loading ``num_splits``;
+- ``num_splits >= 2``: log-sum-exp merge of its pieces' partials (pieces past the partial buffer
+  are not read; a request left with none gets 0 / -inf)::
 
-Most programs are of the first and last kinds (only requests crossed by a cut are split),
-so they are kept short: under the interpreter every executed op costs ~20 us.
+      m = max_j lse_j;  w_j = exp2(lse_j - m);  out = sum_j w_j o_j / sum_j w_j;  lse = (m + log2 sum_j w_j) ln 2
 
-The merge is one pass over the pieces, ``CHUNK`` (4) a trip, unrolled: each piece (its lse
+- ``num_splits == 0`` (seq_len 0, e.g. a padded row): out 0, lse -inf written explicitly (without
+  the merge's loops), so no output row is ever left uninitialised.
+
+Most programs are of the first and last kinds (only requests crossed by a cut are split), so
+they are kept short: under the interpreter every executed op costs ~20 us.
+
+The merge is one pass over the pieces, ``COMBINE_CHUNK`` (4) a trip, unrolled: each piece (its lse
 ``[BLOCK_M]`` and partial rows ``[BLOCK_M, BLOCK_R]``) is folded into a running max, sum and
-accumulator (rescaled by ``2**(m_old - m_new)``, as the decode's online softmax). It
-replaced two loops of one piece a trip (the max first, then the weighted sum), whose every
-trip waited for its load: inside a graph replay on an H100 that merge took 40.5 us of FP8
-h=16 s_q=2 B=1 L=16k's 65 (128 pieces) and 8 us of B=8 L=16k's 111
-(``h100-2026-11-26-combine-profile.json``). One command on an H200
-(``h200-2026-11-26-combine-chunks.json``): B=1 at L=4k/16k 1.04-1.12x (FP8 h=16 s_q=2
-67.8 -> 61.4 us at L=16k), B >= 8 level (0.99-1.02x). Holding a chunk as one
-``[CHUNK, BLOCK_M, BLOCK_R]`` tensor reduced over its first axis was up to 1.8x slower.
+accumulator (rescaled by ``2**(m_old - m_new)``, as the decode's online softmax). Compiled for
+sm_90, each piece's tile is loaded into the registers the previous one was folded from, so a
+program would have one piece in flight at a time; with blocks of at most ``NARROW_COLUMNS``
+columns (``LOADS_FIRST``) a trip loads its four pieces into four tensors and only then folds them,
+and a launch whose grid would leave SMs idle (``combine_columns``) narrows its blocks to 32
+columns, 4x the programs. While ``WIDE_TRIP`` (16) or more pieces remain, a narrow trip loads
+sixteen (four groups of four, all issued before the first is folded) and folds them four at a
+time, the same arithmetic in the same order (bit for bit the same results).
 
-Loads first. The trip's loads do not depend on each other, but compiled for sm_90 each piece's
-tile is loaded into the registers the previous one was folded from, so a program has one
-piece in flight at a time: about 0.26 us a piece, 33 us for FP8 h=16 s_q=2, B=1, L=16k's 128
-pieces on an H100 whatever the program count. With blocks of at most ``NARROW_COLUMNS``
-columns (``LOADS_FIRST``) a trip loads its four pieces into four tensors and only then folds
-them (the SASS issues the loads back to back); a launch whose grid would leave SMs idle
-(``combine_columns``: request x row-block pairs x the config's column blocks below the SM
-count) narrows its blocks to 32 columns, 4x the programs. Measured inside the full graph on an
-H100 (``h100-2026-11-26-combine-loads.json``, combine kernel / full replay): B=1, L=16k FP8
-h=16 s_q=2 33.1 -> 23.6 / 54.8 -> 45.9 us, bf16 h=16 s_q=1 17.4 -> 13.0 / 43.5 -> 39.1, bf16
-h=128 s_q=2 11.1 -> 8.7 / 54.1 -> 51.6; B=8, L=16k h=16 6.6 -> 5.0 / 81.2 -> 79.6. Loads first
-at the config's 128-column blocks ran 0.3-0.7 us slower at wide grids (h=128, B 8-32), so
-wide blocks keep the loop above; narrow blocks without loads first were slower still
-(38.7 us at B=1).
-
-Wide trips. A narrow block's merge is still a chain of trips, each waiting for its four loads
-(from L2, where the decode just wrote them): B=1, L=16k's 128 pieces took 32 of them. While
-``WIDE_TRIP`` (16) or more pieces remain, a trip now loads sixteen (four groups of four, all
-issued before the first is folded) and folds them four at a time, the same arithmetic in the
-same order as four trips of four (bit for bit the same results); the rest go four a trip.
-Requests of fewer pieces never take the wide trip. The old and new kernel in one process on an
-H100, full graph replays (``h100-2026-11-27-combine-wide-trips.json``): B=1, L=16k 1.15-1.22x
-(the combine 12.4-13.7 -> 7.0-7.8 us), B=1 L=4k s_q=2 1.14x, h=16 B=8 L 4k-16k 1.02-1.06x
-(5.1-5.4 -> 3.5-4.1 us), elsewhere 0.995-1.008x. Loading sixteen slots whatever the request's
-pieces (no four-piece tail loop) cost h=16 s_q=1 B=32 0.955-0.983x (same json,
-``always_sixteen``). Nor is a trip the cost at B=32 (about four pieces a request, 2.8-4.1 us of
-combine): one trip of eight for five to eight remaining pieces ran 0.994-1.003x, two warps a
-program 0.952-1.008x (``h100-2026-11-27-combine-tail.json``), nor its chain of plan reads: loading
-a request's ``split_offsets`` beside its ``num_splits``, one dependent read fewer, ran 0.991-1.004x
-(``h100-2026-11-27-combine-first-early.json``). Nor is it the wait for the decode where nothing is
-split: a program reading its request's ``num_splits`` (the planner's, complete before any decode
-program passed its own wait) before the PDL wait and returning at once for a request in one
-piece ran 0.984-1.006x, bit for bit, 0.984x at h=128 s_q=2 B=32 L=1k where no request is split
-(``h100-2026-11-27-combine-early-exit.json``).
+Launched with programmatic dependent launch where the device has it (``kernels/hopper/pdl.py``):
+its wait comes before any read of the plan or the partials. The measurements behind each step
+are in ``docs/kernel-performance.md``.
 """
 from __future__ import annotations
 
@@ -71,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import _sm_count, interpreting
-from .pdl import grid_wait, launch_options, pdl_on
+from .config import interpreting, sm_count
+from .hopper.pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
 __all__ = ["launch_combine", "combine_columns", "COMBINE_CHUNK", "NARROW_COLUMNS", "WIDE_TRIP"]
@@ -129,7 +99,7 @@ def _fold4(m, l_sum, acc, l0, l1, l2, l3, p0, p1, p2, p3):
 def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, partial_cap, SQ, H,
                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
                     LOADS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False, WIDE: tl.constexpr = 16):
-    if PDL:  # before any read of the plan or the partials (kernels/pdl.py)
+    if PDL:  # before any read of the plan or the partials (kernels/hopper/pdl.py)
         grid_wait()
     b = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -231,7 +201,7 @@ def combine_columns(pairs: int, col_blocks: int, rank: int, out: torch.Tensor) -
     if out.device.type != "cuda" or interpreting():
         return col_blocks
     narrow = rank // NARROW_COLUMNS
-    if narrow <= col_blocks or rank % NARROW_COLUMNS or pairs * col_blocks >= _sm_count(out.device):
+    if narrow <= col_blocks or rank % NARROW_COLUMNS or pairs * col_blocks >= sm_count(out.device):
         return col_blocks
     return narrow
 

@@ -9,7 +9,8 @@ from mla_fuzz.mla_ref import ModelSpec
 
 from . import ops
 from .checks import check_tensor
-from .config import DecodeConfig, check_spec_supported, default_config
+from .config import DecodeConfig, check_spec_supported
+from .routes import default_config
 from .sched import SchedState
 
 __all__ = ["mla_decode", "context_lens", "token_context", "alloc_partials", "alloc_sparse_partials", "dense_rows",
@@ -201,7 +202,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     ops.decode_split(q, kv_cache, block_table, cache_seqlens, ctx, ctx_width, sched.part_info, sched.num_splits,
                      sched.split_offsets, out, lse, partial_o, partial_lse, scale, spec.kv_lora_rank,
                      spec.qk_rope_head_dim, spec.fp8_group, config.block_m, config.block_n, config.num_warps,
-                     config.num_stages, config.fp8_prefetch, config.fp8_grouped)
+                     config.num_stages, config.fp8_grouped, config.kernel)
     ops.combine(partial_o, partial_lse, sched.num_splits, sched.split_offsets, out, lse, config.combine_block_m,
                 config.combine_col_blocks)
     return out, lse

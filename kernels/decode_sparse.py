@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import grid_wait, launch_options, pdl_on
+from .hopper.pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
 __all__ = ["launch_decode_sparse"]
@@ -46,7 +46,7 @@ def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr
                           TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                           PDL: tl.constexpr = False):
-    if PDL:  # before any read of the plan (kernels/pdl.py)
+    if PDL:  # before any read of the plan (kernels/hopper/pdl.py)
         grid_wait()
     pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)

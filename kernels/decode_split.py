@@ -1,276 +1,56 @@
-"""Split-KV MLA decode kernel (paged latent cache, grouped heads, MTP causal, FP8 cache).
+"""Split-KV MLA decode, the portable Triton kernel (paged latent cache, grouped heads, MTP causal, FP8).
 
-Grid ``(num_parts, m_blocks)``, fixed by static config: program ``(p, mb)`` walks the KV
-range the planner gave part ``p`` (possibly the tail of one request, whole requests, and
-the head of another) for query rows ``mb * BLOCK_M ...``. A query row is one (MTP token,
-head) pair of a request, flattened token-major, so all heads *and* all MTP tokens of a
-request share every loaded latent KV tile (the point of MLA's absorbed form: one KV row
-serves every head).
-
-Per KV tile of ``BLOCK_N`` keys (``d_qk`` split as rank + rope; V is the latent part of
-the same rows)::
+Grid ``(num_parts, m_blocks)``, fixed by static config: program ``(p, mb)`` walks the KV range
+the planner gave part ``p`` (possibly the tail of one request, whole requests, and the head of
+another) for query rows ``mb * BLOCK_M ...``. A query row is one (MTP token, head) pair of a
+request, flattened token-major, so every head and MTP token of a request shares each loaded
+latent KV tile (MLA's absorbed form: one KV row serves every head). Per tile of ``BLOCK_N`` keys::
 
     S   = (Q_lat @ K_lat^T + Q_rope @ K_rope^T) * scale * log2(e)
     S   = where(key visible to the row's token, S, -inf)      # bottom-right causal mask
     m'  = max(m, rowmax(S));  P = exp2(S - m');  alpha = exp2(m - m')
     l   = l * alpha + rowsum(P);  acc = acc * alpha + P @ K_lat;  m = m'
 
-and at the end ``out = acc / l``, ``lse = (m + log2 l) * ln 2``.
+and at the end ``out = acc / l``, ``lse = (m + log2 l) * ln 2``. Each piece ends in one of two
+stores, scalar branches on the request's ``nsplit``: an unsplit request writes ``out`` (q dtype)
+and ``lse``; a split one its fp32 partial (normalised output, base-2 lse) for the combine. A
+token with no visible key gets 0 / -inf (``l == 0`` guarded). A request without a tile in the
+part stores nothing; under the interpreter (``SKIP_EMPTY``) its whole body is skipped too.
 
-FP8 caches store the latent as e4m3 codes ``C`` with one fp32 scale per group of ``GROUP``
-values: ``K_lat[n, c] = C[n, c] * sc[n, g(c)]``. Since the scale is constant inside a group,
-it factors out of each group's part of both products (``Q_g`` / ``C_g`` / ``acc_g``: the
-columns of group g)::
+FP8 caches hold e4m3 codes ``C`` and one fp32 scale per group: ``K_lat[n, c] = C[n, c] *
+sc[n, g(c)]``. Two paths (``DecodeConfig.fp8_grouped``, ``fp8_grouped_dots``):
 
-    Q_lat @ K_lat^T  = sum_g  (Q_g @ C_g^T) * sc[:, g][None, :]       (scale the dot result)
-    (P @ K_lat)_g    = (P * sc[:, g][None, :]) @ C_g                  (scale P, not K)
+- *dequantise*: ``C * sc`` in fp32 through a ``[BLOCK_N, groups, GROUP]`` view, cast to the q
+  dtype, then the 16-bit dots;
+- *grouped* (row blocks up to ``GROUPED_MAX_BLOCK_M``, 1, 2 or 4 groups): the scale is constant
+  inside a group, so it moves onto the dots -- ``Q_lat K_lat^T = sum_g (Q_g C_g^T) sc[:, g]`` and
+  ``(P K_lat)_g = (P sc[:, g]) C_g`` -- over the latent in four quarters (``q0..q3`` /
+  ``acc0..acc3``), the codes converted exactly. With bf16 queries the dots take fp16 (one
+  ``cvt`` per code pair): each q row is scaled by a power of two ``2**k``, ``k = min(0, 14 - E)``
+  (``E`` its max's exponent, NaN-proof from the bits) into fp16's range and unscaled on the
+  scores, and ``P * sc * 2**8`` (``PV_SCALE``, undone at the end) is rounded to fp16.
 
-so the codes go into the tensor-core dots as they are, converted e4m3 -> the q dtype (exact:
-bf16 and fp16 hold every finite e4m3 value; fp16 for bf16 queries too, see *FP16 dots*), and the fp32 scale work per tile is
-``BLOCK_M x BLOCK_N`` per group instead of ``BLOCK_N x RANK`` — no per-element dequantise,
-no ``[BLOCK_N, groups, GROUP]`` reshape. Triton has no tensor slicing, so this
-*grouped-dot* path holds the latent in four quarters (``q0..q3`` / ``acc0..acc3``, each
-``[BLOCK_M, RANK / 4]``; the total stays ``[BLOCK_M, RANK]`` fp32) loaded by pointer
-offsets; it applies when a quarter lies inside one group (``groups in {1, 2, 4}``: both
-shipped specs have 4; 1 and 2 make tokens that ``check_spec_supported`` refuses for the GPU)
-and a quarter is a legal dot dim (``RANK / 4 >= 16``). Quarter j
-takes scale word ``j * groups // 4``. ``P * sc`` is rounded to the q dtype for the PV dot
-(a rounding comparable to the former rounding of the dequantised K), after a fixed
-``2**8`` factor — undone exactly at the end — that keeps it out of fp16's subnormal range
-(scales are ``amax / 448``, typically ~1e-2). The scores' scaling happens in fp32 on the
-dot results, so QK is as exact as the fp32 reference up to summation order.
+Loads: 16-bit tiles feed the dots directly and Triton pipelines them (``num_stages``). A code
+tile used by both dots is not pipelined (its uses disagree on a shared layout), so pipelined
+grouped configs of up to 32 rows load it twice, once per dot (*twin loads*, two eviction hints);
+and where ``fp8_tma_plan`` allows (compute capability 9+, row blocks up to ``TMA_MAX_BLOCK_M``,
+a tile inside one page, aligned layout) tiles come through TMA descriptors -- codes, scales and
+rope boxes -- whatever their uses, the rows past ``seq_len`` zeroed after the load (``0 * NaN``
+would reach ``P @ V``).
 
-*FP16 dots* (``FP8_FP16_DOTS``, grouped path, bf16 queries; fp16 queries already take
-fp16 dots, fp32 queries keep fp32). Converting the codes to bf16 costs several instructions
-per pair on sm_90 while e4m3 -> fp16 is one ``cvt.rn.f16x2.e4m3x2`` per two codes, and the
-FP8 kernel is issue-bound (Nsight Compute: ~12 warp instructions per 32 cached codes; see
-"TMA path" below). So the codes go to fp16 (exact: fp16 holds every finite
-e4m3 value too) and so must the other dot operands:
+*P through memory* (``fp8_p_via_memory``: FP8 dequantise path, 64-row blocks): Triton gives a
+dot whose result reaches another dot all warps along M, so both warpgroups would compute the
+same ``Q K^T``; here P and alpha go through a per-program scratch slot between two barriers and
+the rope dot comes first, so the QK tile is split over the warpgroups.
 
-- q's latent quarters are converted to fp16 once per request, after multiplying each query
-  row by a power of two ``qs = 2**k``, ``k <= 0``, that brings the row's ``max |q_lat|`` below
-  ``2**15`` (fp16's largest finite value is 65504): ``k = min(0, 14 - E)`` with ``E`` the
-  exponent of the row max, taken from the fp32 bit pattern (an integer max over the four
-  quarters of ``bits & 0x7FFFFFFF`` — NaN-proof: a NaN or inf row gets ``E = 128``, a zero
-  or masked row ``k = 0``, so ``qs`` is always a finite normal power of two). Rows below
-  ``2**15`` — the typical case — are not scaled at all, and then ``q -> fp16`` is exact for
-  every bf16 value in fp16's normal range (bf16's 8-bit significand fits fp16's 11 bits).
-  Only values under ``2**-14`` (after scaling) lose bits to fp16's subnormals and under
-  ``2**-25`` flush to 0: an absolute error of at most ``2**-25`` per element (times ``qs**-1``),
-  i.e. ``2**-39`` of a scaled row's max, and for an unscaled row ``<= 2**-25 * sum|K|``
-  on a score — far below the rounding of q to bf16 itself (``2**-9`` relative).
-- The latent part of the scores is multiplied by ``1 / qs`` per row (exact: a power of two,
-  so ``S_lat`` has the bits the unscaled products would have summed to) before the rope dot
-  is added; the rope dot stays bf16 (``k_rope`` is bf16 in the cache).
-- ``P * sc_j * 2**8`` is rounded to fp16 for the PV dot. ``PV_SCALE`` keeps it out of fp16's
-  subnormals (above); the top of fp16's range caps ``sc_j * 2**8 <= 65504``, i.e. a scale
-  group's ``amax <= 448 * 255.9 ~ 1.1e5`` — as it already did for fp16 queries; latent
-  values come out of a layer norm, O(1-10).
+The page size is a compile-time constant (``PAGE``: a key's page and slot are a shift and a
+mask). Under the interpreter ``tl.dot`` on bf16/fp16 operands is wrong (triton #11584), so
+``DOT_F32`` upcasts the operands (the same roundings applied first). Only the lines marked "key
+positions -> cache slots" map keys to cache rows (the sparse decode's hook).
 
-Under the interpreter (``DOT_F32``: fp32 dot operands) the switch runs the same steps —
-the row scaling and its undoing, q and ``P * sc`` rounded to fp16 and back to fp32 — so the
-CPU tests cover them; the codes go straight to fp32 (the same values).
-Other group counts (or ``FP8_GROUPED_DOTS = False``, for benchmarks and tests) take the
-*dequantise* path: e4m3 -> fp32 times the group scale through a ``[BLOCK_N, groups, GROUP]``
-view, cast to the q dtype, then the same dots as a 16-bit cache. Rope is bf16 in both.
-
-Hiding the load latency of FP8 tiles. Triton's software pipeliner (``num_stages >= 2``)
-turns a load into an asynchronous copy to shared memory issued stages ahead only when all
-of the load's dot uses agree on one shared-memory layout; a code tile converted and then
-used by both dots (as ``K^T`` for QK, as ``K`` for PV) does not qualify, so its load stays
-synchronous, every tile waiting out a full memory round trip (both FP8 paths, in the TTGIR
-that Triton 3.9 makes for sm_90; a 16-bit cache's tile is pipelined). Two remedies, picked
-on the host:
-
-- *twin loads* (grouped path, ``num_stages >= 2``, no ``fp8_prefetch``, ``BLOCK_M <= 32``;
-  module switch ``FP8_TWIN_LOADS``): each code tile is loaded twice, once per dot, so each
-  load has one use and is pipelined. The second read of the same bytes should be served
-  by L2 (DRAM traffic unchanged, L2->SM traffic ~1.8x); the two loads carry different eviction
-  hints (``evict_last`` / ``evict_first``), which also keeps the compiler from merging
-  them. Row blocks of 64 (wgmma, operands staged in shared memory) would exceed the 227 KiB
-  of shared memory with twin buffers at ``block_n = 64`` (281 KiB for sm_90), so they load once.
-- ``FP8_PREFETCH`` (``DecodeConfig.fp8_prefetch``, both FP8 paths; pair with
-  ``num_stages=1``): tile ``i+1``'s bytes (codes, scales, rope) are loaded into registers
-  while tile ``i`` is computed, at the price of holding a tile in registers.
-
-Both are ignored for 16-bit caches, whose tiles feed the dots directly and are pipelined.
-
-TMA path (``FP8_TMA``, decided on the host by ``fp8_tma_plan``; both FP8 paths). The FP8
-tiles are fetched by Hopper's TMA engine through tensor descriptors, asynchronously into
-shared memory. Triton's pipeliner takes a descriptor load for multi-buffering whatever
-its uses are: ``isPipeliningBeneficial`` in ``Pipeliner/AssignLatencies.cpp`` returns true
-for ``DescriptorLoadOp`` before the shared-layout agreement test that stops the code-tile
-pointer loads (so in every version of that file read, from the ``ExperimentalDescriptorLoadOp``
-era to the current one), so with ``num_stages = S`` each tile's boxes get latency ``S - 1``:
-issued ``S - 1`` tiles ahead into a ring of shared-memory buffers. The scalar block-table load
-that finds the tile's page is too small to pipeline and stays in the loop (an L2 hit, while
-the boxes already issued keep streaming).
-
-What it bought on an H100 was small (``benchmarks/results/h100-2026-11-26-fp8-tma.json``):
-1.02-1.07x at 16 rows, 0.90-0.96x at 32. Load latency is not what holds FP8 back: Nsight
-Compute on the 16-row kernel (B=128, L=4k) shows 255 registers per thread with heavy local
-spilling, one 8-warp program per SM, an issue slot busy 30% of cycles, and about 12 warp
-instructions per 32 cached codes (conversion, scaling and layout shuffles) — the per-tile
-ALU and register work, not the memory system, sets its 30% of copy bandwidth. With TMA and
-8 warps the 16-row kernel no longer spills (254 registers, 0 spills) and runs no faster;
-no swept alternative (block_n 32/64, 4/8 warps, 3-6 stages, either FP8 path) beat the
-shipped configs (``h100-2026-11-26-fp8-tma-sweep.json``).
-
-- Geometry: a tile of ``BLOCK_N`` keys starts at a multiple of ``BLOCK_N`` within its
-  request (planner), so when ``BLOCK_N`` divides ``page_size`` it lies inside one page and
-  is one 2-D box of the cache viewed as ``[num_blocks * page_size, bytes_per_token]``, at
-  row ``page * page_size + offset``. Three descriptors over dtype views of the same bytes,
-  each limited to its region of a token (``_fp8_tma_descriptors``): uint8 codes (boxes of a
-  ``RANK / 4`` quarter on the grouped path; of the whole ``RANK`` row on the dequantise path,
-  which Triton issues as several copies since a TMA box dim is at most 256 elements —
-  triton-lang/triton#6776, merged May 2025, before 3.4), fp32 scales (``[BLOCK_N, groups]`` at column
-  ``RANK / 4``; the grouped path picks quarter j's word out by a masked row sum) and bf16
-  rope (``[BLOCK_N, ROPE]`` at column ``(RANK + 4 groups) / 2``).
-- Constraints, checked by ``fp8_tma_plan`` (any failing -> the pointer path, with the
-  reason): FP8 cache, CUDA compute capability >= 9 (or ``FP8_TMA_ANY_DEVICE``, e.g. the
-  interpreter), ``block_m <= TMA_MAX_BLOCK_M`` (16: measured faster only there, see the constant), contiguous cache with the codes/scales/rope token layout,
-  ``page_size % block_n == 0``, ``block_n <= 256``, fewer than ``2**31`` rows (int32
-  coordinates), 16-byte aligned base, row stride (bytes per token) a multiple of 16, every
-  box a power of two >= 16 bytes wide starting at a 16-byte aligned column.
-- Masking: a box holds whole rows, including the rows past the request's length inside
-  the page (stale or never-written slots; the fuzzer poisons them with NaN). The pointer
-  path never loads those (masked, ``other=0``); here they arrive, and the kernel zeroes
-  their codes, scales and rope after the load. The codes and scales are essential: P is 0
-  for such keys, but ``0 * NaN = NaN`` inside ``P @ V`` (and the scale enters ``P * sc``).
-  The rope only reaches scores that ``where(visible, s, -inf)`` replaces; it is zeroed all
-  the same. TMA's zero fill of rows past the tensor's end is not relied on.
-  (Under the interpreter an e4m3 NaN byte decodes as 480, not NaN — the tests restore NaN
-  with a fixture to see a missing code mask.)
-- Stages: ``DecodeConfig.num_stages`` as given when >= 2; ``num_stages = 1`` (the register
-  prefetch configs: the prefetch is off on this path, as are twin loads) is read as
-  ``FP8_TMA_STAGES``; the depth is cut so that ``num_stages * block_n * bytes_per_token``
-  fits ``FP8_TMA_SMEM_BUDGET``.
-- Descriptors are host objects made by the launcher from ``kv_cache`` at every launch
-  (inside the custom op); a captured CUDA graph bakes them in by value, the same staleness
-  as the raw pointer it would bake otherwise.
-
-Each piece ends in one of two stores: a request that is not split writes its final
-``out`` (q dtype) and ``lse`` directly; a split request writes an fp32 partial (normalised
-output + base-2 LSE) into its row of the partial buffer for the combine kernel. Tokens with
-no visible key get out 0 / lse -inf explicitly (``l == 0`` guarded, never 0/0). Both are
-scalar ``if`` branches on the request's uniform ``nsplit`` (and ``p_row < partial_cap``
-for partials), taken only when the request has a tile in this part (``t1 > t0``; an empty
-request, or a stale plan, stores nothing). On an H100 the branches made the bf16 s_q=2
-decode 1.10x faster than the former masked stores of both kinds (h=16, B 32/128, L 16k).
-Under ``TRITON_INTERPRET=1`` (``SKIP_EMPTY``) a request without a tile also skips its whole
-body -- q loads, loop, epilogue: every executed op costs 15-20 us there whatever its size,
-and the fuzzer's padded rows are such requests. That outer branch is compiled out on the
-GPU, where it cost 5-10% at s_q=2 (same cases).
-
-The page size is a compile-time constant (``PAGE``). Each tile maps its keys to cache rows
-through ``offs_n // PAGE`` and ``offs_n % PAGE``; with the page size a runtime argument those
-were signed integer divisions, and Nsight Compute's per-instruction counts on an H100 put
-about 40% of the bf16 decode's executed instructions in integer arithmetic (``IMAD``,
-``IABS``, ``IMAD.HI``, ``SEL``, ...: the division sequence) while the kernel is bound by
-instruction latency (two warps per scheduler). As a constant -- a power of two in every
-deployment -- they are a shift and a mask. One kernel is compiled per page size a process
-uses. Same H100, one command, old and new code
-(``benchmarks/results/h100-2026-11-26-kernel-pageconst-{before,after}.json``): bf16 h=128
-1.04-1.15x, bf16 h=16 s_q=1 1.05-1.12x, bf16 h=16 s_q=2 0.97-1.07x, FP8 h=16 1.00-1.03x.
-
-P through memory (``P_MEM``, FP8 caches on the dequantise path in 64-row blocks, i.e.
-h=128, and the FP8 default at 17-32 query rows, h=16 at s_q=2, whose 64-row block is half
-padding; ``fp8_p_via_memory``). Triton gives a dot whose result reaches another dot all the
-warps along M (``warpsPerTileV3`` in its ``AccelerateMatmul``: any dot in the forward slice
-of the result), and 64 rows fill one warpgroup, so with 8 warps both warpgroups compute the
-same ``Q K^T`` tile (72 ``HGMMA.64x32x16`` a warp a tile: the whole S each). Here each tile's
-P (rounded to the dot dtype, as before) and alpha go through a per-program scratch slot in
-global memory (``BLOCK_M x BLOCK_N`` values + ``BLOCK_M`` fp32; an L2-resident 16 KiB at
-128-key tiles) between two CTA barriers, so nothing the PV dot reads -- P, or the alpha that
-rescales its accumulator -- derives from the QK result; the rope dot is issued first and the
-latent dot accumulates onto it, so the big dot's result feeds no dot either. Triton then lays
-the latent QK out ``[4, 2]``: each warpgroup computes half the tile's keys (TTGIR on an H100,
-Triton 3.6). The two barriers stop Triton's software pipeliner from pipelining the loop's
-loads, which costs nothing on this path (its code tiles are loaded synchronously anyway,
-"Hiding the load latency" above) and 1.3x on the bf16 path (pipelined cp.async tiles), which
-keeps the duplicated QK (``h100-2026-11-26-pmem-bf16-ab.json``). Same H100, one command
-(``benchmarks/fp8_decode_bench.py --pmem``, ``h100-2026-11-26-fp8-pmem.json``; h=128, s_q 1/2,
-B 32/128, L 1k-16k): at 128-key tiles and one stage 1.04-1.12x over the same config without
-it and 1.05-1.14x over the former 64-key / 2-stage default, which it replaced; at 64-key
-tiles it is level (0.97-1.01x). The slot is written before it is read in every tile and never
-read across launches, so the launcher allocates it afresh per launch (graph-capture safe).
-At 32 query rows (h=16, s_q=2) this 64-row wgmma kernel, half its rows padding, beat the
-32-row grouped kernel (``mma.sync``, warps ``[1, 8]``: the 8 warps split the keys, so each
-needs the whole 32 x 576 q block as its dot operand, more than its registers hold):
-1.02-1.30x, geo-mean 1.11, same H100, one command
-(``h100-2026-11-26-kernel-6-before-0236ef3.json`` / ``-kernel-6.json``); at 16 rows it lost
-(0.94x at B=128, L=16k, ``h100-2026-11-26-fp8-m64-h16.json``).
-
-Hopper at 64-row blocks. On a GPU of compute capability 9.x, a launch of 64-row blocks of
-64-key tiles runs the Gluon kernel of ``kernels/decode_wgmma.py`` instead of this one (its
-``wgmma_plan`` decides; ``WGMMA_DECODE`` switches it off): it splits both dots over the two
-warpgroups, hands P over through shared memory and keeps the PV dot in flight across the next
-tile's copies -- 1.14-1.47x this kernel on bf16 h=128 (its module doc); FP8 blocks go to its
-warp-specialised counterpart, ``kernels/decode_wgmma_ws64.py`` (a producer partition
-dequantises the next tile while the dots run), and 16-bit ones of two or more row blocks (and
-16+ request x row-block pairs) to the ping-pong ``kernels/decode_wgmma_pp.py`` (its two
-warpgroups on alternate tiles; ``decode_wgmma.pp_taken``). There the CUDA defaults
-(``config.default_config``) give them h=128 (bf16, fp16, FP8); h=16 FP8 (16-32 rows, bf16
-queries) takes the few-row Gluon kernels (``kernels/decode_wgmma_keys.py`` and its successors:
-the same plan, keys on the wgmma M axis), h=16 bf16 / fp16 the TMA one of
-``kernels/decode_wgmma_kt.py``. This kernel still serves every other launch (fp16 queries on
-an FP8 cache, 16-bit caches TMA cannot copy, configs the Gluon kernels are not written for),
-every other GPU and the interpreter, and the notes below on 64-row blocks and on the FP8 paths at h=16
-describe it (measured with the Gluon kernels off or before they existed).
-
-Known limits on an H100 (Nsight Compute, per-instruction counts; not fixed here):
-
-- 64-row bf16 blocks (h=128) keep the duplicated ``Q K^T`` (above): about 38% of the measured
-  bf16 matmul rate at s_q=2; 4 warps would hold the ``[64, 512]`` fp32 accumulator in 256
-  registers a thread, and P through memory stops the pipeliner (1.3x slower). With an
-  inline-asm barrier that the pipeliner does not see, the TTGIR had both the split QK
-  (``[4, 2]``) and the pipelined tile loads, and it ran no faster (0.99-1.01x,
-  ``h100-2026-11-26-pmem-variants.json``). Nsight Compute on the shipped kernel (h=128,
-  s_q=2, B=32, L=4k; ``benchmarks/results/ncu/h100-2026-11-26-ncu_bf16_128_2_32_4096.txt``)
-  puts a quarter of the warp stall samples on ``WARPGROUP.DEPBAR`` (waiting for the wgmma
-  results) and a tenth on the wgmma issue itself: the loop is serial (QK, softmax, PV, rescale) in every
-  warpgroup, which is what FlashMLA's hand-split warpgroups overlap.
-- 16/32-row blocks of bf16 at 128-key tiles: one tile buffer (147 KiB) per program and one
-  program per SM, so a program loads, then computes. Long requests still reach 88-97% of
-  copy bandwidth (programs drift out of step and share the memory system); short batches
-  run in lock step.
-- Swapping the dots (``K @ q^T``, so the key tile is the wgmma M) was tried in this kernel
-  and was no faster (0.85-1.02x bf16, 0.2-0.87x FP8; still 255 registers a thread;
-  ``benchmarks/results/h100-2026-11-26-swap-dots.json``). Written in Gluon, with the layouts,
-  the conversion and the loads stated, the same idea is the FP8 few-row kernel
-  (``kernels/decode_wgmma_keys.py``: 1.27-1.49x at B=128 over the 64-row Gluon kernel).
-- FP8 twin loads with the V copy converted by a non-pure inline-asm ``cvt.rn.f16x2.e4m3x2``
-  in the load layout (so fp16, not bytes, goes through shared memory to the PV dot's
-  operand layout; Triton otherwise gathers the codes byte by byte in that layout): level,
-  0.97-1.03x (``h100-2026-11-26-fp8-v-asm.json``); not kept. Converting every code tile so
-  (K too) made the 64-key TMA config at 16 rows 1.07-1.15x faster, but only level with the
-  shipped 128-key config (0.96-1.02x), and the fp16 tiles in shared memory no longer fit
-  128-key tiles or 32-row twin loads (``h100-2026-11-26-fp8-k-asm.json``).
-- Triton's automatic warp specialization (``tl.range(..., warp_specialize=True)`` on the
-  tile loop, Triton 3.6 on sm_90): the loop kept its attribute but was not partitioned;
-  same kernel, same times (``h100-2026-11-26-warp-specialize.json``).
-- FP8 64-row blocks with the code tiles pipelined: P through memory's two barriers as
-  inline-asm ``bar.sync`` that the pipeliner does not see, so 64-key tiles at 2-4 stages get
-  cp.async loads with the split QK: 1.02-1.16x slower than the shipped one-stage 128-key
-  kernel (``h100-2026-11-26-fp8-pmem-pipelined.json``); the FP8 tile's cost is its
-  dequantisation (per code: e4m3 -> f16 -> f32, times the scale, -> bf16) and dots, not an
-  exposed load.
-- bf16 64-row blocks at the FP8 shape (128-key tiles, one stage, with or without P through
-  memory): 1.6-2.0x slower than the pipelined 64-key / 2-stage default
-  (``h100-2026-11-26-bf16-h128-bn128.json``).
-- Lazy rescaling on the 16-bit path (the rows' reference max, and so the accumulator's
-  rescale, moves only when some row's max grew by more than 2**8, a block-wide branch):
-  h=128 1.12-1.16x slower, h=16 level (``h100-2026-11-26-lazy-rescale.json``).
-
-Interpreter note: ``tl.dot`` on bf16/fp16 operands returns garbage under
-``TRITON_INTERPRET=1`` (triton #11584), so ``DOT_F32`` upcasts the operands to fp32
-(decided on the host); on the GPU bf16/fp16 operands feed the tensor cores directly.
-
-Extension point (sparse top-k decode, later issue): the blocks marked "key positions ->
-cache slots" are the only places that map key positions to cache slots; the sparse variant
-reads the slots from ``indices`` (``-1`` -> masked) instead of the block table, with
-per-token key counts from ``topk_length`` in place of ``ctx_lens``, and the planner counts
-``ceil(topk / block_n)`` tiles per request instead of ``ceil(seq_len / block_n)``.
+The Hopper kernels (``kernels/hopper/``) take most CUDA launches on sm_90 (``kernels/routes.py``);
+this one runs every other launch, every other GPU and the interpreter. The measurements behind
+its defaults and paths are in ``docs/kernel-performance.md``.
 """
 from __future__ import annotations
 
@@ -283,116 +63,46 @@ import triton
 import triton.language as tl
 
 from .config import interpreting
-from .decode_wgmma import launch_decode_wgmma, mark_unavailable, pp_taken, rs_plan, wgmma_plan, ws64_taken
-from .decode_wgmma_pp import launch_decode_wgmma_pp
-from .decode_wgmma_keys import launch_decode_wgmma_keys
-from .decode_wgmma_kt import launch_decode_wgmma_kt
-from .decode_wgmma_rs import launch_decode_wgmma_rs
-from .decode_wgmma_ws import launch_decode_wgmma_ws
-from .decode_wgmma_ws64 import launch_decode_wgmma_ws64
-from .pdl import grid_wait, launch_options, pdl_on
+from .hopper.pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
-
-try:  # Triton's compile / resource errors (a Gluon kernel that fails to build, below)
-    from triton.errors import TritonError
-except ImportError:  # pragma: no cover - an older Triton, without Gluon either: nothing to catch
-    TritonError = ()
 
 try:  # host-side TMA descriptors (Triton >= 3.3; the same class in 3.6 and 3.9)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # pragma: no cover - an older Triton: the pointer path only
     TensorDescriptor = None
 
-__all__ = ["launch_decode_split", "fp8_grouped_dots", "fp8_p_via_memory", "fp8_tma_plan", "TmaPlan"]
+__all__ = ["launch_decode_split", "fp8_grouped_dots", "fp8_p_via_memory", "fp8_tma_plan", "TmaPlan",
+           "GROUPED_MAX_BLOCK_M", "TMA_MAX_BLOCK_M", "P_MEM_MIN_BLOCK_M", "FP8_TMA_STAGES", "FP8_TMA_SMEM_BUDGET"]
 
 _LOG2E = 1.4426950408889634
 
-#: Use the grouped-dot FP8 path wherever the spec allows it (module doc). A module switch
-#: read at every launch rather than a ``DecodeConfig`` field: it picks an implementation,
-#: not a tuning knob. ``benchmarks/fp8_decode_bench.py`` and the tests set it to False to
-#: time / exercise the dequantise path on the shipped specs.
-FP8_GROUPED_DOTS = True
-#: Grouped-dot path without ``fp8_prefetch``, with ``num_stages >= 2`` and ``block_m <= 32``:
-#: load each code tile twice, once per dot (module doc, "twin loads"). A module switch for
-#: the same reason.
-FP8_TWIN_LOADS = True
-
-
-#: Grouped-dot path with bf16 queries: feed the tensor-core dots fp16 operands (codes -> fp16
-#: in one instruction per pair on sm_90, q scaled per row by a power of two into fp16's range,
-#: ``P * sc`` rounded to fp16) instead of bf16 ones (module doc, "FP16 dots"). A module switch
-#: like ``FP8_GROUPED_DOTS``: ``benchmarks/fp8_decode_bench.py --f16`` and the tests turn it
-#: off / on.
-FP8_FP16_DOTS = True
-
-
-#: Under the interpreter, skip the whole per-request body of a request without a tile in the
-#: part (module doc, the stores). Always off on the GPU; a test turns it off on CPU to run
-#: the GPU's structure there.
-SKIP_EMPTY_ON_INTERPRETER = True
-
-
-#: Fetch FP8 cache tiles through TMA tensor descriptors where ``fp8_tma_plan`` allows it
-#: (module doc, "TMA path"): on CUDA devices of compute capability >= 9 (Hopper has the TMA
-#: engine; Triton lowers descriptor loads to plain loads elsewhere). A module switch like
-#: ``FP8_GROUPED_DOTS``: ``benchmarks/fp8_decode_bench.py`` and the tests turn it off / on.
-FP8_TMA = True
-#: Take the TMA path on any device where its constraints hold — the interpreter included
-#: (it executes descriptor loads), so the CPU suite covers the path's logic. Off by default.
-FP8_TMA_ANY_DEVICE = False
-#: Pipeline depth of the TMA path when the config says ``num_stages=1``: that value belongs
-#: to the register-prefetch configs (``fp8_prefetch``), which the TMA path replaces, and an
-#: unpipelined TMA load would wait out every tile's round trip. ``num_stages >= 2`` is used
-#: as given (within ``FP8_TMA_SMEM_BUDGET``).
+#: TMA pipeline depth where the config says ``num_stages=1`` (an unpipelined TMA load would wait out
+#: every tile's round trip); ``num_stages >= 2`` is used as given, within ``FP8_TMA_SMEM_BUDGET``
 FP8_TMA_STAGES = 3
-#: Shared memory the TMA path's tile buffers may take: ``num_stages`` buffers of
-#: ``block_n * bytes_per_token`` each (656 B a key at DeepSeek size: 41 KiB at block_n=64).
-#: Deeper pipelines are cut to fit; the rest of H100's 227 KiB is left for Triton's
-#: layout-conversion scratch.
+#: shared memory the TMA path's tile buffers may take (``num_stages * block_n * bytes_per_token``; the
+#: rest of the H100's 227 KiB is left for Triton's layout conversions); deeper pipelines are cut to fit
 FP8_TMA_SMEM_BUDGET = 176 * 1024
-#: Largest row block that takes the TMA path. Measured on an H100 (h=16, B 32/128, L 1k-16k,
-#: ``benchmarks/results/h100-2026-11-26-fp8-tma.json``): at 16 rows TMA was 1.02-1.07x the
-#: pointer path with its register prefetch, at 32 rows (the grouped path of s_q=2) 0.90-0.96x,
-#: so 32-row blocks keep the pointer path (re-measured with fp16 dots and the page-size
-#: constant: 0.91-0.92x, ``h100-2026-11-26-fp8-recheck.json``). 64-row blocks (h=128) could not take it anyway:
-#: they stage their wgmma operands in shared memory as well (``q_lat`` and the converted K,
-#: 64 KiB each at rank 512), leaving no room for two tile buffers.
+#: the largest row block that takes the TMA path (1.02-1.07x at 16 rows, 0.90-0.96x at 32)
 TMA_MAX_BLOCK_M = 16
-
-
-#: P through memory (module doc): FP8 caches on the dequantise path with ``block_m >=
-#: P_MEM_MIN_BLOCK_M`` (h=128) hand P and alpha to the PV dot through a per-program scratch
-#: slot, so that the QK tile is not computed by both warpgroups. A module switch like
-#: ``FP8_GROUPED_DOTS`` (benchmarks and tests turn it off / on).
-P_VIA_MEMORY = True
-#: Smallest row block that takes it: one warpgroup's wgmma covers 64 rows, so only 64-row
-#: blocks had both warpgroups computing the same scores.
+#: the smallest row block that hands P through memory (a warpgroup's wgmma covers 64 rows)
 P_MEM_MIN_BLOCK_M = 64
-
-
-#: Largest row block that takes the grouped-dot path: at 64 rows (h=128) its four
-#: ``[BLOCK_M, RANK/4]`` accumulators and operands spill, and it ran 1.8x slower than the
-#: dequantise path on an H200 (h=128, s_q=2, B=128, L=16k: 9.9 vs 5.4 ms,
-#: benchmarks/results/h200-2026-11-26-kernel-fp8-paths.json). With fp16 dots and the
-#: page-size constant it draws level on an H100 (0.98-1.01x; ``h100-2026-11-26-fp8-recheck.json``),
-#: still not faster, so 64-row blocks keep dequantising.
+#: the largest row block that takes the grouped-dot path (at 64 rows its four accumulators spill)
 GROUPED_MAX_BLOCK_M = 32
 
 
 def fp8_grouped_dots(rank: int, fp8_group: int, block_m: int = 16) -> bool:
-    """True when an FP8 cache of this shape takes the grouped-dot path (module doc): every
+    """True when an FP8 cache of this shape can take the grouped-dot path (module doc): every
     latent quarter lies inside one scale group and is a legal ``tl.dot`` dim, and the row
     block is small enough for the per-quarter accumulators (``GROUPED_MAX_BLOCK_M``)."""
     groups = rank // fp8_group
-    return (bool(FP8_GROUPED_DOTS) and groups in (1, 2, 4) and rank % 4 == 0 and rank // 4 >= 16
-            and block_m <= GROUPED_MAX_BLOCK_M)
+    return groups in (1, 2, 4) and rank % 4 == 0 and rank // 4 >= 16 and block_m <= GROUPED_MAX_BLOCK_M
 
 
 def fp8_p_via_memory(fp8: bool, grouped: bool, block_m: int) -> bool:
     """True when the decode hands P to the PV dot through its scratch slot (module doc, "P
     through memory"): an FP8 cache on the dequantise path in row blocks of at least
-    ``P_MEM_MIN_BLOCK_M``, with the ``P_VIA_MEMORY`` switch on."""
-    return bool(P_VIA_MEMORY) and fp8 and not grouped and block_m >= P_MEM_MIN_BLOCK_M
+    ``P_MEM_MIN_BLOCK_M``."""
+    return fp8 and not grouped and block_m >= P_MEM_MIN_BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -433,12 +143,10 @@ def fp8_tma_plan(kv_cache: torch.Tensor, *, rank: int, rope_dim: int, fp8_group:
 
     if kv_cache.dtype != torch.uint8:
         return no("not an FP8 cache")
-    if not FP8_TMA:
-        return no("FP8_TMA is off")
     if TensorDescriptor is None:
         return no("this Triton has no triton.tools.tensor_descriptor")
     cap = capability if capability is not None else _device_capability(kv_cache.device)
-    if not FP8_TMA_ANY_DEVICE and (cap is None or tuple(cap) < (9, 0)):
+    if cap is None or tuple(cap) < (9, 0):
         return no(f"device without TMA (compute capability {cap})")
     if block_m > TMA_MAX_BLOCK_M:
         return no(f"block_m {block_m} > TMA_MAX_BLOCK_M {TMA_MAX_BLOCK_M}")
@@ -506,11 +214,11 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                          RANK: tl.constexpr, ROPE: tl.constexpr,
                          GROUP: tl.constexpr, TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-                         DOT_PREC: tl.constexpr, FP8_PREFETCH: tl.constexpr, GROUPED: tl.constexpr,
+                         DOT_PREC: tl.constexpr, GROUPED: tl.constexpr,
                          TWIN: tl.constexpr, K_EVICT: tl.constexpr, USE_TMA: tl.constexpr,
                          F16_DOTS: tl.constexpr, SKIP_EMPTY: tl.constexpr, P_MEM: tl.constexpr,
                          PDL: tl.constexpr = False):
-    if PDL:  # before any read of the plan (kernels/pdl.py)
+    if PDL:  # before any read of the plan (kernels/hopper/pdl.py)
         grid_wait()
     pid_p = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -639,28 +347,6 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
 
             m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            if FP8:
-                if FP8_PREFETCH:
-                    # tile t0's bytes, carried into the loop (see FP8_PREFETCH in the module doc)
-                    offs_n = t0 * BLOCK_N + offs_nb
-                    kv_ok = (offs_n < seq_len) & ((offs_nb * 0 + t0) < t1)
-                    pos_u = offs_n.to(tl.uint32)  # >= 0: unsigned // and % by the constant PAGE
-                    page_id = tl.load(bt_row + pos_u // PAGE, mask=kv_ok, other=0)
-                    cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + pos_u % PAGE) * TOKEN_STRIDE
-                    rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
-                                       + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
-                    if GROUPED:
-                        pc0 = tl.load(cur_row[:, None] + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                        pc1 = tl.load(cur_row[:, None] + QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                        pc2 = tl.load(cur_row[:, None] + 2 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                        pc3 = tl.load(cur_row[:, None] + 3 * QW + offs_q[None, :], mask=kv_ok[:, None], other=0)
-                        sc_row = (cur_row + RANK).to(tl.pointer_type(tl.float32))
-                        ps0 = tl.load(sc_row, mask=kv_ok, other=0.0)
-                        ps1 = tl.load(sc_row + G1, mask=kv_ok, other=0.0)
-                        ps2 = tl.load(sc_row + G2, mask=kv_ok, other=0.0)
-                        ps3 = tl.load(sc_row + G3, mask=kv_ok, other=0.0)
-                    else:
-                        codes = tl.load(cur_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0)
             for tile in range(t0, t1):
                 offs_n = tile * BLOCK_N + offs_nb
                 kv_ok = offs_n < seq_len
@@ -698,41 +384,9 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                         else:
                             codes_now = codes_desc.load([row0, 0])
                             codes_now = tl.where(kv_ok[:, None], codes_now, tl.zeros_like(codes_now))
-                    elif FP8_PREFETCH:
-                        kv_row = cur_row
-                        nxt_n = offs_n + BLOCK_N
-                        nxt_ok = (nxt_n < seq_len) & ((offs_nb * 0 + tile + 1) < t1)
-                        # -- key positions -> cache slots (the sparse-decode hook: read slots from
-                        #    `indices` here and below instead of the block table)
-                        pos_u = nxt_n.to(tl.uint32)  # >= 0: unsigned // and % by the constant PAGE
-                        page_id = tl.load(bt_row + pos_u // PAGE, mask=nxt_ok, other=0)
-                        cur_row = kv_ptr + (page_id.to(tl.int64) * PAGE + pos_u % PAGE) * TOKEN_STRIDE
-                        k_rope = rope_raw
-                        rope_raw = tl.load((cur_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None]
-                                           + offs_p[None, :], mask=nxt_ok[:, None], other=0.0)
-                        if GROUPED:
-                            k0 = pc0
-                            k1 = pc1
-                            k2 = pc2
-                            k3 = pc3
-                            sc0 = ps0
-                            sc1 = ps1
-                            sc2 = ps2
-                            sc3 = ps3
-                            pc0 = tl.load(cur_row[:, None] + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                            pc1 = tl.load(cur_row[:, None] + QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                            pc2 = tl.load(cur_row[:, None] + 2 * QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                            pc3 = tl.load(cur_row[:, None] + 3 * QW + offs_q[None, :], mask=nxt_ok[:, None], other=0)
-                            sc_row = (cur_row + RANK).to(tl.pointer_type(tl.float32))
-                            ps0 = tl.load(sc_row, mask=nxt_ok, other=0.0)
-                            ps1 = tl.load(sc_row + G1, mask=nxt_ok, other=0.0)
-                            ps2 = tl.load(sc_row + G2, mask=nxt_ok, other=0.0)
-                            ps3 = tl.load(sc_row + G3, mask=nxt_ok, other=0.0)
-                        else:
-                            codes_now = codes
-                            codes = tl.load(cur_row[:, None] + offs_r[None, :], mask=nxt_ok[:, None], other=0)
                     else:
-                        # -- key positions -> cache slots (the sparse-decode hook, as above)
+                        # -- key positions -> cache slots (the sparse-decode hook: read slots from
+                        #    `indices` here instead of the block table)
                         if TILE_IN_PAGE:  # one page holds the tile: one block-table entry
                             n0 = tile * BLOCK_N
                             page0 = tl.load(bt_row + n0 // PAGE, mask=n0 < seq_len, other=0)
@@ -918,58 +572,26 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
 def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                         split_offsets, out, lse, partial_o, partial_lse, *, softmax_scale: float, rank: int,
                         rope_dim: int, fp8_group: int, block_m: int, block_n: int, num_warps: int,
-                        num_stages: int, dot_f32: bool, fp8_prefetch: bool = True, fp8_grouped: bool = True) -> None:
-    """Launch the decode (arguments checked by ``ops.decode_split``).
+                        num_stages: int, dot_f32: bool, fp8_grouped: bool = True) -> None:
+    """Launch this kernel (arguments checked by ``ops.decode_split``; ``routes.launch_decode``
+    calls it for the launches no Hopper kernel takes).
 
     Shapes: q ``[B, s_q, h, rank + rope]``; block_table int32 ``[B, max_blocks]``;
     cache_seqlens int32 ``[B]``; ctx_lens int32 ``[B, W]`` with ``W = ctx_width[0]``;
     part_info int32 ``[num_parts + 1, 3]``; num_splits / split_offsets int32 ``[B]``;
     out ``[B, s_q, h, rank]``; lse fp32 ``[B, h, s_q]``; partial_o fp32 ``[cap, s_q*h, rank]``;
-    partial_lse fp32 ``[cap, s_q*h]``. FP8 caches take the grouped-dot path where
-    ``fp8_grouped`` (``DecodeConfig.fp8_grouped``) and ``fp8_grouped_dots(rank, fp8_group, block_m)``
-    (module doc), else the dequantise path;
-    ``fp8_prefetch`` applies to both and is ignored for 16-bit caches.
-    On the grouped path with bf16 queries, ``FP8_FP16_DOTS`` (read here at every launch)
-    feeds the latent dots fp16 operands — codes, q scaled per row by a power of two, and
-    ``P * sc`` — instead of bf16 ones (module doc, "FP16 dots"); with ``dot_f32`` (the
-    interpreter) the same roundings are applied and the dots run in fp32.
-    Where ``fp8_tma_plan`` allows it, FP8 tiles come through TMA descriptors made here from
-    ``kv_cache`` (module doc, "TMA path"); ``fp8_prefetch`` and twin loads are then off and
-    the kernel is compiled with the plan's ``num_stages``.
-    Where ``fp8_p_via_memory`` holds (FP8, dequantise path, ``block_m >= 64``), the launcher
-    allocates the kernel's scratch slots (``[programs, block_m, block_n]`` in the dot dtype for
-    P, ``[programs, block_m]`` fp32 for alpha; module doc, "P through memory").
+    partial_lse fp32 ``[cap, s_q*h]``. An FP8 cache takes the grouped-dot path where
+    ``fp8_grouped`` (``DecodeConfig.fp8_grouped``) and ``fp8_grouped_dots`` allow it, with fp16
+    dots for bf16 queries, else the dequantise path (module doc); its tiles come through TMA
+    descriptors where ``fp8_tma_plan`` allows it (compiled with the plan's ``num_stages``), else
+    by pointer loads, twice on the grouped path when pipelined (twin loads); where
+    ``fp8_p_via_memory`` holds the launcher allocates the scratch slots P and alpha go through.
+    ``dot_f32`` (the interpreter, fp32 queries): fp32 dot operands, the same roundings.
     """
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = triton.cdiv(s_q * h, block_m)
     fp8 = kv_cache.dtype == torch.uint8
-    if not dot_f32 and wgmma_plan(q, kv_cache, rank=rank, rope_dim=rope_dim, block_m=block_m, block_n=block_n,
-                                  num_warps=num_warps, fp8_group=fp8_group) is None:
-        # Hopper: a Gluon kernel -- 64-row blocks the ping-pong one of kernels/decode_wgmma_pp.py
-        # (16-bit, two or more row blocks; else, or with its switch off, the one of
-        # decode_wgmma.py), FP8 ones the
-        # warp-specialised decode_wgmma_ws64.py; few-row blocks of 4 warps of a 16-bit cache the
-        # TMA keys-on-M decode_wgmma_kt.py (wgmma_plan checked kt_plan), of an FP8 one the
-        # register-operand decode_wgmma_rs.py where its TMA copies apply (rs_plan; wgmma_plan
-        # admits more rows than one block only then), else the warp-specialised
-        # decode_wgmma_ws.py, of 8 warps the keys-on-M decode_wgmma_keys.py. A
-        # build failure (compile or resources: raised before anything is launched) sends this
-        # and every later launch to this kernel, with a warning
-        try:
-            if block_m == 64:
-                launch = (launch_decode_wgmma_ws64 if ws64_taken(kv_cache) else
-                          launch_decode_wgmma_pp if pp_taken(q, kv_cache) else launch_decode_wgmma)
-            else:
-                launch = (launch_decode_wgmma_keys if num_warps != 4 else
-                          launch_decode_wgmma_kt if not fp8 else
-                          launch_decode_wgmma_rs if rs_plan(kv_cache, block_n) is None else launch_decode_wgmma_ws)
-            launch(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                   split_offsets, out, lse, partial_o, partial_lse, softmax_scale_log2=float(softmax_scale) * _LOG2E,
-                   rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n)
-            return
-        except TritonError as e:
-            mark_unavailable(e)
     grouped = fp8 and bool(fp8_grouped) and fp8_grouped_dots(rank, fp8_group, block_m)
     tma = fp8_tma_plan(kv_cache, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m,
                        block_n=block_n, num_stages=num_stages) if fp8 else None
@@ -980,9 +602,8 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         num_stages = tma.num_stages
     else:
         descs = (kv_cache, kv_cache, kv_cache)  # placeholders: the pointer path never reads them
-    prefetch = bool(fp8_prefetch) and fp8 and not use_tma
-    f16_dots = grouped and q.dtype == torch.bfloat16 and bool(FP8_FP16_DOTS)
-    twin = grouped and not prefetch and not use_tma and num_stages >= 2 and block_m <= 32 and bool(FP8_TWIN_LOADS)
+    f16_dots = grouped and q.dtype == torch.bfloat16
+    twin = grouped and not use_tma and num_stages >= 2 and block_m <= 32
     page = kv_cache.shape[1]
     pdl = pdl_on(q)
     grid = (num_parts, m_blocks)
@@ -1004,6 +625,6 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32,
         # None: Triton's default precision (only fp32 operands care, and those come with DOT_F32)
         DOT_PREC="ieee" if dot_f32 else None,
-        FP8_PREFETCH=prefetch, GROUPED=grouped, TWIN=twin, K_EVICT="evict_last" if twin else "",
-        USE_TMA=use_tma, F16_DOTS=f16_dots, SKIP_EMPTY=bool(SKIP_EMPTY_ON_INTERPRETER) and interpreting(),
+        GROUPED=grouped, TWIN=twin, K_EVICT="evict_last" if twin else "",
+        USE_TMA=use_tma, F16_DOTS=f16_dots, SKIP_EMPTY=interpreting(),
         P_MEM=p_mem, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_options(pdl))

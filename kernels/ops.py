@@ -16,10 +16,10 @@ import torch
 from .cache_write import launch_cache_write
 from .checks import check_device, check_tensor
 from .combine import launch_combine
-from .config import interpreting
-from .decode_split import launch_decode_split
+from .config import KERNEL_NAMES, interpreting
 from .decode_sparse import launch_decode_sparse
 from .planner import launch_planner
+from .routes import launch_decode
 
 __all__ = ["write_kv_cache", "plan", "decode_split", "decode_sparse", "combine"]
 
@@ -115,7 +115,9 @@ def _plan_fake(cache_seqlens, part_info, num_splits, split_offsets, block_n, min
 # --------------------------------------------------------------------------- decode
 
 def _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group):
+                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel="triton"):
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
     check_tensor("q", q, dtypes=_Q, shape=(None, None, None, rank + rope_dim),
                  shape_text=f"[B, s_q, h_q, d_qk={rank + rope_dim}]")
     B, s_q, h, _ = q.shape
@@ -146,8 +148,9 @@ def decode_split(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                  split_offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, partial_o: torch.Tensor,
                  partial_lse: torch.Tensor, softmax_scale: float, rank: int, rope_dim: int, fp8_group: int,
                  block_m: int, block_n: int, num_warps: int, num_stages: int,
-                 fp8_prefetch: bool = False, fp8_grouped: bool = True) -> None:
-    """Split-KV decode over the plan in ``part_info`` / ``num_splits`` / ``split_offsets``.
+                 fp8_grouped: bool = True, kernel: str = "triton") -> None:
+    """Split-KV decode over the plan in ``part_info`` / ``num_splits`` / ``split_offsets``,
+    on the kernel ``routes.resolve`` picks from ``kernel`` (``DecodeConfig.kernel``).
 
     Reads q ``[B, s_q, h, d_qk]``, the paged cache, block_table int32 ``[B, max_blocks]``,
     cache_seqlens int32 ``[B]``, ctx_lens int32 ``[B, W]`` (visible keys per token; the
@@ -156,23 +159,21 @@ def decode_split(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     unsplit requests and the fp32 partials of split ones; ``combine`` finishes the rest.
     """
     _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group)
+                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel)
     if q.shape[0] == 0:
         return
-    launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                        split_offsets, out, lse, partial_o, partial_lse, softmax_scale=softmax_scale, rank=rank,
-                        rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n,
-                        num_warps=num_warps, num_stages=num_stages,
-                        dot_f32=interpreting() or q.dtype == torch.float32, fp8_prefetch=fp8_prefetch,
-                        fp8_grouped=fp8_grouped)
+    launch_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
+                  out, lse, partial_o, partial_lse, softmax_scale=softmax_scale, rank=rank, rope_dim=rope_dim,
+                  fp8_group=fp8_group, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                  num_stages=num_stages, fp8_grouped=fp8_grouped, kernel=kernel)
 
 
 @decode_split.register_fake
 def _decode_split_fake(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                        split_offsets, out, lse, partial_o, partial_lse, softmax_scale, rank, rope_dim, fp8_group,
-                       block_m, block_n, num_warps, num_stages, fp8_prefetch=False, fp8_grouped=True) -> None:
+                       block_m, block_n, num_warps, num_stages, fp8_grouped=True, kernel="triton") -> None:
     _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group)
+                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel)
 
 
 # --------------------------------------------------------------------------- sparse decode

@@ -7,9 +7,9 @@ end to end — request 0's tiles, then request 1's, ... — and cuts that sequen
 pieces are merged by the combine kernel. Equal ranges balance the parts whatever the length
 skew. ``P_eff`` is the fewest parts that keep the longest one at ``T = cdiv(total, P0)``
 tiles, ``P0 = max(1, min(num_parts, total // min_tiles_per_part))``: ``P_eff = cdiv(total,
-T)``. With ``SHORT_PARTS`` (the default; ``first_parts``), a batch of short requests (at most
-``SHORT_TILES`` tiles a request on average) too small to keep half the parts busy at
-``min_tiles_per_part`` tiles a part is cut into parts of two tiles, up to half the parts:
+T)``. A batch of short requests (at most ``SHORT_TILES`` tiles a request on average;
+``first_parts``) too small to keep half the parts busy at ``min_tiles_per_part`` tiles a part
+is cut into parts of two tiles, up to half the parts:
 ``P0 = max(1, min(num_parts, max(total // min_tiles_per_part, min(total // 2, num_parts //
 2))))`` -- a change only for ``min_tiles_per_part > 2`` (the few-row TMA kernels' 4). Longer
 requests keep the rule above: parts of two tiles would double the pieces the combine merges
@@ -41,8 +41,7 @@ short program whatever the batch:
 
 Under Triton's interpreter (CPU), where programs run one after another, a launch of one
 part program and one request program runs as one program doing both roles in turn
-(``FUSED``; ``_FUSE_ON_INTERPRETER``), sparing the repeated prologue; the GPU launch is
-unchanged (``FUSED=0``).
+(``FUSED``), sparing the repeated prologue; the GPU launch is unchanged (``FUSED=0``).
 
 Part ``q`` starts at global tile ``G_q = q * total // P_eff``. A part program finds the
 request holding each of its ``G_q`` by comparing them with the requests' inclusive tile
@@ -67,17 +66,13 @@ import triton
 import triton.language as tl
 
 from .config import interpreting, next_pow2
-from .pdl import grid_release, pdl_on
+from .hopper.pdl import grid_release, pdl_on
 
-__all__ = ["launch_planner", "plan_reference", "first_parts", "SHORT_PARTS", "SHORT_TILES"]
+__all__ = ["launch_planner", "plan_reference", "first_parts", "SHORT_TILES"]
 
-#: a batch of short requests too small for half the parts at ``min_tiles_per_part`` tiles each is
-#: cut into parts of two tiles, up to half the parts (module doc). Parts of four tiles left most SMs
-#: idle there: h=16 B=8 L=1k (128 tiles) ran in 32 parts; in 64 parts of two, bf16 1.05x and FP8
-#: 1.17x, B 1-4 at L 1k-2k 1.01-1.17x; at B 1-2 L=4k (32 pieces a request) bf16 ran 0.94-0.96x, and
-#: parts of two at B=1 L=16k (128 pieces) 0.77-0.82x (H100, h100-2026-11-27-short-parts.json)
-SHORT_PARTS = True
-#: the short-batch rule's requests hold at most this many tiles on average (2048 keys at 64)
+#: the short-batch rule (module doc): its requests hold at most this many tiles on average (2048
+#: keys at 64). Parts of four tiles left most SMs idle at h=16 B=8 L=1k; parts of two won there
+#: (1.05-1.17x) and lost at 32+ pieces a request (h100-2026-11-27-short-parts.json)
 SHORT_TILES = 32
 
 
@@ -87,10 +82,8 @@ SHORT_TILES = 32
 _MAX_BLOCK_B = 1024
 _MAX_BLOCK_P = 32
 # Under the interpreter, a launch of one part program and one request program (every batch
-# the CPU fuzzer draws) runs as one program doing both roles: programs run one after the
-# other there, so a second program only repeats the shared prologue (the batch total).
-# Same outputs (tests check both against plan_reference); a test may turn it off.
-_FUSE_ON_INTERPRETER = True
+# the CPU fuzzer draws) runs as one program doing both roles (FUSED): programs run one after
+# the other there, so a second program only repeats the shared prologue (the batch total).
 
 
 @triton.jit
@@ -107,7 +100,7 @@ def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
     # Exact: every n here is < 2**53 (tiles < 2**31 times parts), so it converts exactly,
     # and the estimate's relative error ~2**-52 times a quotient < 2**31 is off by < 1.
     if PDL:
-        # let the decode's blocks be scheduled now; they wait for this grid's end (kernels/pdl.py)
+        # let the decode's blocks be scheduled now; they wait for this grid's end (kernels/hopper/pdl.py)
         grid_release()
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
@@ -236,7 +229,7 @@ def launch_planner(cache_seqlens: torch.Tensor, part_info: torch.Tensor, num_spl
         return  # nothing to plan: the decode and combine launch nothing for an empty batch
     num_parts = part_info.shape[0] - 1
     block_b, block_p, part_progs, req_progs, num_warps = _launch_shape(B, num_parts)
-    fused = int(_FUSE_ON_INTERPRETER and part_progs == 1 and req_progs == 1 and interpreting())
+    fused = int(part_progs == 1 and req_progs == 1 and interpreting())
     _planner_kernel[(part_progs + req_progs - fused,)](
         cache_seqlens, part_info, num_splits, split_offsets, B,
         NUM_PARTS=num_parts, PART_PROGS=part_progs, BLOCK_P=block_p, BLOCK_B=block_b,
@@ -246,32 +239,30 @@ def launch_planner(cache_seqlens: torch.Tensor, part_info: torch.Tensor, num_spl
 
 def _short(min_tiles_per_part: int) -> bool:
     # the rule changes nothing at parts of at most two tiles: one compiled variant there
-    return bool(SHORT_PARTS) and min_tiles_per_part > 2
+    return min_tiles_per_part > 2
 
 
-def first_parts(total: int, requests: int, *, num_parts: int, min_tiles_per_part: int, short_parts=None) -> int:
+def first_parts(total: int, requests: int, *, num_parts: int, min_tiles_per_part: int) -> int:
     """``P0``, the parts the planner first cuts ``total`` key tiles of ``requests`` requests with keys
-    into (module doc): ``min(num_parts, total // min_tiles_per_part)``, at least 1; with
-    ``short_parts`` (default ``SHORT_PARTS``) and at most ``SHORT_TILES`` tiles a request, at least
-    ``min(total // 2, num_parts // 2)`` too. ``P_eff`` then follows from ``T = cdiv(total, P0)``."""
-    short = _short(min_tiles_per_part) if short_parts is None else bool(short_parts) and min_tiles_per_part > 2
+    into (module doc): ``min(num_parts, total // min_tiles_per_part)``, at least 1; with parts of
+    more than two tiles and at most ``SHORT_TILES`` tiles a request, at least ``min(total // 2,
+    num_parts // 2)`` too. ``P_eff`` then follows from ``T = cdiv(total, P0)``."""
+    short = _short(min_tiles_per_part)
     p0 = total // min_tiles_per_part
     if short and total <= SHORT_TILES * requests:
         p0 = max(p0, min(total // 2, num_parts // 2))
     return max(1, min(num_parts, p0))
 
 
-def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_per_part: int, short_parts=None):
-    """The same partition in plain Python (for tests and diagnosis); ``short_parts`` as
-    ``first_parts``.
+def plan_reference(seq_lens: list, *, num_parts: int, block_n: int, min_tiles_per_part: int):
+    """The same partition in plain Python (for tests and diagnosis).
 
     Returns ``(part_info [(req, tile, split)] * (num_parts+1), num_splits [B], split_offsets [B])``.
     """
     B = len(seq_lens)
     tiles = [-(-max(int(L), 0) // block_n) for L in seq_lens]
     total = sum(tiles)
-    parts0 = first_parts(total, sum(t > 0 for t in tiles), num_parts=num_parts, min_tiles_per_part=min_tiles_per_part,
-                         short_parts=short_parts)
+    parts0 = first_parts(total, sum(t > 0 for t in tiles), num_parts=num_parts, min_tiles_per_part=min_tiles_per_part)
     longest = -(-max(total, 1) // parts0)
     parts_eff = -(-max(total, 1) // longest)
     cum = [0]

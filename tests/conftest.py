@@ -19,6 +19,12 @@ if not _HAS_CUDA:
     # the CPU (measured: ~1.7x more CPU time at -n 2 with torch's default threads).
     torch.set_num_threads(1)
 
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    # the interpreter's speed-ups (same results), installed explicitly: nothing in kernels does it
+    from mla_fuzz.kernels import interpreter_patches  # noqa: E402
+
+    interpreter_patches.install()
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # `ci` is loaded by Hypothesis itself when CI is set (derandomized, no database).

@@ -165,3 +165,54 @@ class StridedValueView(OpBackend):
         _decode_v(q, kv_cache, kv_cache[..., : self.spec.kv_lora_rank], md["bt"], md["sl"], md["ql"], id(self.spec),
                   out, lse)
         return out, lse
+
+
+@torch.library.custom_op("contract_fakes::oob_write", mutates_args=("x",))
+def _oob_write(x: torch.Tensor, on: bool) -> None:
+    if on:  # a kernel whose store lands far outside its tensor: an illegal memory access on a GPU
+        _oob_kernel[(1,)](x, 1 << 40)
+
+
+def _make_oob_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, offset):
+        tl.store(x_ptr + offset, 1.0)
+
+    return kernel
+
+
+_oob_kernel = _make_oob_kernel()
+
+
+class Chaos(OpBackend):
+    """Misbehaves by case, each way once per kind of input (``s`` a real row's seq_len):
+    ``s % 16 == 15`` in a batch of 3+ rows aborts the process; ``s % 16 == 3`` in a batch of
+    2+ rows hangs; ``s % 16 == 9`` raises in build; a capture at size 3 raises in forward;
+    ``s % 16 == 5`` returns wrong outputs (eager); ``s % 16 == 1`` (s > 1) on a GPU writes out of
+    bounds (an illegal memory access)."""
+
+    name = "chaos"
+
+    def check(self, batch):
+        import os
+        import time
+        lens = batch.seq_lens.tolist()
+        B = len(lens)
+        if B >= 3 and any(s % 16 == 15 for s in lens):
+            os.abort()
+        if B >= 2 and any(s % 16 == 3 for s in lens):
+            time.sleep(3600)
+        if any(s % 16 == 9 for s in lens):
+            raise KeyError("chaos: a row of 9 (mod 16) tokens")  # CHAOS-BUILD
+        self.garbage = any(s % 16 == 5 for s in lens)
+        self.oob = self.device.type == "cuda" and any(s % 16 == 1 and s > 1 for s in lens)
+
+    def forward(self, q, kv_cache, md, out=None):
+        if q.shape[0] == 3:
+            raise ValueError("chaos: three rows")  # CHAOS-FORWARD
+        o, lse = super().forward(q, kv_cache, md, out)
+        _oob_write(lse, self.oob)
+        return (o + 1 if self.garbage else o), lse

@@ -3,7 +3,7 @@ graphs) and save every forward's outputs, bytes as they are, to the file named b
 
 Run as a script by ``test_interpreter_speedups.py``, once with
 ``MLA_FUZZ_PLAIN_INTERPRETER=1`` (Triton's interpreter as shipped) and once without (with
-``kernels.config._cache_interpreter_types``): each run needs a fresh process, because the
+``kernels.interpreter_patches``' caching): each run needs a fresh process, because the
 caching patches Triton for the life of the process.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 from mla_fuzz.harness.executor import ScenarioRunner  # noqa: E402
+from mla_fuzz.kernels import interpreter_patches  # noqa: E402
 from mla_fuzz.harness.loading import load_backend  # noqa: E402
 from mla_fuzz.harness.scenario import ScenarioConfig  # noqa: E402
 from mla_fuzz.mla_ref import ModelSpec  # noqa: E402
@@ -152,6 +153,7 @@ def run_ops_kernel() -> list:
 
 
 if __name__ == "__main__":
+    interpreter_patches.install()  # as the test suite and the fuzzer's workers do
     torch.set_num_threads(1)
     outs = run_ops_kernel() + run()
     import triton.language.core as core

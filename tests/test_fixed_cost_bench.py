@@ -64,7 +64,7 @@ def test_timeline_copies_build_with_every_event(load_benchmark, kernel):
 
 def test_timeline_kernel_is_the_default_route(load_benchmark):
     """The kernel a timeline case is said to run is the one the CUDA defaults give it on Hopper (the
-    route table of decode_split), and cases no instrumented kernel runs are refused."""
+    route table, kernels/routes.py), and cases no instrumented kernel runs are refused."""
     kt = load_benchmark("kernel_timeline")
     assert kt.kernel_for("bf16", 128, 1) == "pp" and kt.kernel_for("bf16", 16, 4) == "pp"
     assert kt.kernel_for("fp8", 128, 2) == "ws64" and kt.kernel_for("fp8", 16, 1) == "rs"
@@ -145,28 +145,28 @@ def test_without_merge_drops_exactly_the_merge_and_restores(load_benchmark, monk
     fc = load_benchmark("fixed_cost_bench")
     import mla_fuzz.kernels.ops as ops
     seen = []
-    monkeypatch.setattr(ops, "launch_decode_split", lambda *a, **k: seen.append(("decode", a, k)))
+    monkeypatch.setattr(ops, "launch_decode", lambda *a, **k: seen.append(("decode", a, k)))
     monkeypatch.setattr(ops, "launch_combine", lambda *a, **k: seen.append(("combine", a, k)))
-    dec, comb = ops.launch_decode_split, ops.launch_combine
+    dec, comb = ops.launch_decode, ops.launch_combine
     args = [torch.full((1,), float(i)) for i in range(11)] + [torch.zeros(5, 2, 3), torch.zeros(5, 2)]
     with fc.without_merge(combine=True, partials=True):
-        ops.launch_decode_split(*args, softmax_scale=0.5, block_m=16)
+        ops.launch_decode(*args, softmax_scale=0.5, block_m=16)
         ops.launch_combine("p", "l")
     assert [s[0] for s in seen] == ["decode"]
     _, a, k = seen[0]
     assert all(x is y for x, y in zip(a[:11], args[:11])) and len(a) == 13
     assert a[11].shape == (0, 2, 3) and a[12].shape == (0, 2)
     assert k == {"softmax_scale": 0.5, "block_m": 16}
-    assert ops.launch_decode_split is dec and ops.launch_combine is comb
+    assert ops.launch_decode is dec and ops.launch_combine is comb
     seen.clear()
     with fc.without_merge(combine=True, partials=False):
-        ops.launch_decode_split(*args)
+        ops.launch_decode(*args)
         ops.launch_combine("p", "l")
     assert [s[0] for s in seen] == ["decode"] and seen[0][1][11] is args[11]
     with pytest.raises(RuntimeError, match="inside"):
         with fc.without_merge(combine=True, partials=True):
             raise RuntimeError("inside")
-    assert ops.launch_decode_split is dec and ops.launch_combine is comb
+    assert ops.launch_decode is dec and ops.launch_combine is comb
 
 
 @pytest.mark.gpu

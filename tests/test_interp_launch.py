@@ -1,4 +1,4 @@
-"""``kernels.interp_launch``: the interpreter's launch without host copies for CPU arguments.
+"""``kernels.interpreter_patches``' CPU launch: the interpreter's launch without host copies for CPU arguments.
 
 The bit-for-bit comparison of whole forwards against the plain interpreter is in
 ``test_interpreter_speedups.py``; here, the launch itself: argument binding as
@@ -14,8 +14,9 @@ import triton
 import triton.language as tl
 from torch.overrides import TorchFunctionMode
 
-from mla_fuzz.kernels.checks import check_device
-from mla_fuzz.kernels.config import PLAIN_INTERPRETER_ENV, interpreting
+from mla_fuzz.kernels import interpreter_patches
+from mla_fuzz.kernels.config import interpreting
+from mla_fuzz.kernels.interpreter_patches import PLAIN_INTERPRETER_ENV
 
 pytestmark = [
     pytest.mark.skipif(not interpreting(), reason="checks Triton's interpreter (TRITON_INTERPRET=1)"),
@@ -41,7 +42,7 @@ def _affine_kernel(x_ptr, y_ptr, n, a, b=2.0, BLOCK: tl.constexpr = 16):
 def _installed():
     from triton.runtime import interpreter
 
-    check_device(torch.device("cpu"))  # installs the interpreter speed-ups in this process
+    interpreter_patches.install()  # (conftest installed them already: idempotent)
     assert getattr(interpreter.GridExecutor.__call__, "_mla_fuzz", False), "fast launch not installed"
 
 

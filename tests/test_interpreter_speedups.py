@@ -1,4 +1,5 @@
-"""``kernels.config``'s speed-ups of Triton's interpreter change no result.
+"""``kernels.interpreter_patches``: the speed-ups of Triton's interpreter change no result, are
+installed only explicitly, and refuse a Triton they are not written for.
 
 ``_cache_interpreter_types`` replaces some of the interpreter's per-op bookkeeping with
 cached equivalents; every forward of a set of scenarios (dense bf16/fp16/fp8, sparse with
@@ -13,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from mla_fuzz.kernels.config import PLAIN_INTERPRETER_ENV, interpreting
+from mla_fuzz.kernels.config import interpreting
+from mla_fuzz.kernels.interpreter_patches import PLAIN_INTERPRETER_ENV
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,22 +43,54 @@ def test_cached_interpreter_types_are_bit_identical(tmp_path):
         assert torch.equal(a, b), f"forward output {i} differs with the cached interpreter types"
 
 
-def test_speedups_are_installed_by_a_cpu_launch():
-    """The kernel wrappers' device check installs them (this process runs interpreted)."""
+def test_speedups_are_installed_explicitly_and_only_so(tmp_path):
+    """``install()`` (here: the conftest's) patches the interpreter; a process that imports the
+    kernels and launches one on CPU without calling it runs Triton's interpreter as shipped --
+    the argument checks install nothing."""
     import triton.language.core as core
     from triton.runtime import interpreter
 
-    from mla_fuzz.kernels.checks import check_device
+    from mla_fuzz.kernels import interpreter_patches
 
     if os.environ.get(PLAIN_INTERPRETER_ENV, "0") not in ("", "0"):
         pytest.skip(f"{PLAIN_INTERPRETER_ENV} is set")
-    check_device(torch.device("cpu"))
+    assert interpreter_patches.installed()
     assert getattr(core.tensor.__init__, "_mla_fuzz", False)
     assert getattr(core.block_type.__init__, "_mla_fuzz", False)
     assert getattr(interpreter._get_np_dtype, "_mla_fuzz", False)
     assert getattr(interpreter._patch_lang, "_mla_fuzz", False)
     assert getattr(interpreter._convert_float, "_mla_fuzz", False)
     assert getattr(interpreter._patch_builtin, "_mla_fuzz", False)
+    assert getattr(interpreter.GridExecutor.__call__, "_mla_fuzz", False)
+    code = ("import torch, triton.language.core as core\n"
+            "from triton.runtime import interpreter\n"
+            "from mla_fuzz import kernels\n"
+            "from mla_fuzz.mla_ref import ModelSpec\n"
+            "spec = ModelSpec.tiny(num_heads=2)\n"
+            "from mla_fuzz.mla_ref import make_kv_cache\n"
+            "cache = make_kv_cache(spec, 2, 4, 'bf16')\n"
+            "q = torch.zeros(1, 1, 2, spec.d_qk, dtype=torch.bfloat16)\n"
+            "kernels.mla_decode(q, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),"
+            " spec=spec)\n"
+            "from mla_fuzz.kernels import interpreter_patches\n"
+            "assert not interpreter_patches.installed()\n"
+            "assert not getattr(core.tensor.__init__, '_mla_fuzz', False)\n"
+            "assert not getattr(interpreter.GridExecutor.__call__, '_mla_fuzz', False)\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=300)
+
+
+def test_install_refuses_a_triton_it_is_not_written_for(monkeypatch):
+    """On a Triton version outside ``TRITON_VERSIONS`` ``install()`` raises before patching
+    anything, naming the version and the way out."""
+    from mla_fuzz.kernels import interpreter_patches as ip
+
+    monkeypatch.setattr(ip, "_INSTALLED", False)
+    monkeypatch.delenv(ip.PLAIN_INTERPRETER_ENV, raising=False)
+    monkeypatch.setattr(ip, "triton_version", lambda: (4, 0))
+    with pytest.raises(RuntimeError, match=r"Triton .* is installed, but .* written for Triton 3\.") as err:
+        ip.install()
+    assert "do not call install()" in str(err.value) and not ip.installed()
 
 
 def test_float_conversion_tables_match_triton():
@@ -67,9 +101,9 @@ def test_float_conversion_tables_match_triton():
     import triton.language as tl
     from triton.runtime import interpreter
 
-    from mla_fuzz.kernels.checks import check_device
+    from mla_fuzz.kernels import interpreter_patches
 
-    check_device(torch.device("cpu"))
+    interpreter_patches.install()
     fast = interpreter._convert_float
     if not getattr(fast, "_mla_fuzz", False):
         pytest.skip("speed-ups not installed")
@@ -97,9 +131,9 @@ def test_cached_block_type_matches_triton():
     import triton.language as tl
     import triton.language.core as core
 
-    from mla_fuzz.kernels.checks import check_device
+    from mla_fuzz.kernels import interpreter_patches
 
-    check_device(torch.device("cpu"))
+    interpreter_patches.install()
     if not getattr(core.block_type.__init__, "_mla_fuzz", False):
         pytest.skip("speed-ups not installed")
     fast = core.block_type(tl.float32, [16, 32])

@@ -10,9 +10,9 @@ from mla_fuzz import mla_ref
 from mla_fuzz.mla_ref import DecodeBatch, MLALayerWeights, ModelSpec
 
 from mla_fuzz import kernels
-import mla_fuzz.kernels.pdl as kpdl
-from mla_fuzz.kernels import DecodeConfig, MLADecodeLayer, TritonMLABackend, decode_positions, ops
-from mla_fuzz.kernels.config import SPLIT_ROWS_MAX_BATCH
+from mla_fuzz.harness.layer import MLADecodeLayer, decode_positions
+from mla_fuzz.kernels import DecodeConfig, TritonMLABackend, ops, routes
+from mla_fuzz.kernels.routes import SPLIT_ROWS_MAX_BATCH
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
 
 CFG = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1)
@@ -238,21 +238,18 @@ def test_layer_matches_reference_gpu(kv):
 @pytest.mark.parametrize("heads,next_n,pad", [(16, 1, 4), (16, 2, 4), (16, 2, 16), (128, 2, 4)])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, pad, monkeypatch):
-    """Capture forward once; replays after new builds must equal eager forwards bitwise, with
-    the kernels launched with programmatic dependent launch (the default on Hopper: each waits
-    for the previous grid inside the kernel, kernels/pdl.py) and without it (on Hopper: bf16
-    h=128 runs the Gluon ping-pong 64-row kernel, kernels/decode_wgmma_pp.py, FP8 h=128 and
-    h=16 x 2 padded to 16 requests the warp-specialised 64-row one, kernels/decode_wgmma_ws64.py;
-    FP8 h=16 x 1, and x 2 padded to 4 (two 16-row blocks, config.SPLIT_ROWS_MAX_BATCH), the
-    register-operand few-row one, kernels/decode_wgmma_rs.py, bf16 h=16 x 1 and x 2 the TMA
-    keys-on-M one, kernels/decode_wgmma_kt.py, in two 16-row blocks at 4 -- asserted)."""
-    import mla_fuzz.kernels.decode_split as ds
+    """Capture forward once; replays after new builds must equal eager forwards bitwise, with the
+    kernels launched with programmatic dependent launch where the device has it (Hopper: each
+    waits for the previous grid inside the kernel, kernels/hopper/pdl.py). On Hopper the routes
+    (kernels/routes.py) give bf16 h=128 the ping-pong 64-row kernel (wgmma_pp), FP8 h=128 and
+    h=16 x 2 padded to 16 requests the warp-specialised 64-row one (wgmma_ws64); FP8 h=16 x 1, and
+    x 2 padded to 4 (two 16-row blocks, routes.SPLIT_ROWS_MAX_BATCH), the register-operand
+    few-row one (wgmma_rs), bf16 h=16 x 1 and x 2 the TMA keys-on-M one (wgmma_kt), in two 16-row
+    blocks at 4 -- asserted."""
     launched = []
-    for name in ("launch_decode_wgmma", "launch_decode_wgmma_keys", "launch_decode_wgmma_ws", "launch_decode_wgmma_rs",
-                 "launch_decode_wgmma_ws64", "launch_decode_wgmma_pp", "launch_decode_wgmma_kt"):
-        real = getattr(ds, name)
-        monkeypatch.setattr(ds, name, lambda *a, _real=real, _name=name, **k: (launched.append(_name),
-                                                                               _real(*a, **k))[1])
+    for name, real in list(routes.LAUNCHERS.items()):
+        monkeypatch.setitem(routes.LAUNCHERS, name, lambda *a, _real=real, _name=name, **k: (launched.append(_name),
+                                                                                            _real(*a, **k))[1])
     spec = ModelSpec(num_heads=heads)
     be = make_backend(spec, device="cuda", max_blocks_per_seq=64, next_n_max=next_n, max_batch=pad,
                       capture_sizes=[pad])
@@ -280,13 +277,8 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, pad, monkeypatc
         cache_buf[:case.kv_cache.shape[0]] = case.kv_cache
         graph.replay()
         e_out, e_lse = be.forward(q_buf, cache_buf, md)
-        # and launched without programmatic dependent launch (kernels/pdl.py): the same bits
-        monkeypatch.setattr(kpdl, "PDL", False)
-        p_out, p_lse = be.forward(q_buf, cache_buf, md)
-        monkeypatch.setattr(kpdl, "PDL", True)
         torch.cuda.synchronize()
         assert torch.equal(g_out, e_out) and torch.equal(g_lse, e_lse)
-        assert torch.equal(g_out, p_out) and torch.equal(g_lse, p_lse)
         B = case.batch
         ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                  q_lens=case.q_lens)
@@ -294,11 +286,10 @@ def test_cuda_graph_replay_follows_new_builds(kv, heads, next_n, pad, monkeypatc
     if torch.cuda.get_device_capability()[0] == 9:
         if kv == "fp8":
             rs = heads * next_n <= 16 or (heads * next_n <= 32 and pad <= SPLIT_ROWS_MAX_BATCH)
-            want = {"launch_decode_wgmma_rs" if rs else "launch_decode_wgmma_ws64"}
+            want = {"wgmma_rs" if rs else "wgmma_ws64"}
         else:  # bf16 at up to 32 rows: the TMA keys-on-M kernel
             # (4 padded requests: h=128 x 2 is 16 (request, row block) pairs)
-            want = ({"launch_decode_wgmma_pp"} if heads * next_n > 64 else
-                    {"launch_decode_wgmma_kt"} if heads * next_n <= 32 else {"launch_decode_wgmma"})
+            want = ({"wgmma_pp"} if heads * next_n > 64 else {"wgmma_kt"} if heads * next_n <= 32 else {"wgmma"})
         assert set(launched) == want, launched
         split = heads * next_n == 32 and pad <= SPLIT_ROWS_MAX_BATCH
         assert md.config.block_m == (16 if split or heads * next_n <= 16 else 32 if kv == "bf16" and heads == 16

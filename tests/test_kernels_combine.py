@@ -149,7 +149,7 @@ def test_combine_narrows_its_column_blocks_where_the_grid_would_leave_sms_idle(m
     does a rank that has no more 32-column blocks than asked for."""
     import types
     import mla_fuzz.kernels.combine as kc
-    monkeypatch.setattr(kc, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kc, "sm_count", lambda device: 132)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
     assert kc.combine_columns(8, 4, 512, gpu) == 16  # h=16 x 1, B=8: 32 programs

@@ -13,12 +13,11 @@ from mla_fuzz import kernels
 from mla_fuzz.kernels import DecodeConfig, SchedState, default_config
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case, spy_launches
 
-# small launch configs that force splits (few parts, 1 tile each minimum) or none
-# (and the FP8 load variants: register prefetch, plain loads, twin loads with num_stages >= 2)
-_CPU_CONFIGS = [DecodeConfig(block_m=16, block_n=16, num_parts=p, min_tiles_per_part=m, num_stages=st,
-                             fp8_prefetch=pf)
-                for p, m, st, pf in ((1, 1, 1, True), (3, 1, 1, False), (5, 2, 1, True), (7, 1, 1, False),
-                                     (4, 1, 2, False))]
+# small launch configs that force splits (few parts, 1 tile each minimum) or none (and the FP8
+# load variants: plain loads, twin loads with num_stages >= 2; both FP8 paths)
+_CPU_CONFIGS = [DecodeConfig(block_m=16, block_n=16, num_parts=p, min_tiles_per_part=m, num_stages=st, fp8_grouped=g)
+                for p, m, st, g in ((1, 1, 1, True), (3, 1, 1, False), (5, 2, 1, True), (7, 1, 1, False),
+                                    (4, 1, 2, True))]
 
 
 @st.composite
@@ -79,31 +78,29 @@ def _check_bf16_and_fp32_q(case, spec, cfg, what):
         assert_decode_close(out, lse, ref_out, ref_lse, tol=TOL_INTERP[q_dtype], what=f"{what} {q_dtype}")
 
 
-# (FP8_GROUPED_DOTS, FP8_TWIN_LOADS, num_stages, fp8_prefetch): every FP8 code path on the tiny spec
-# (the interpreter ignores num_stages; 2 selects the twin loads)
-_FP8_PATHS = {"grouped": (True, True, 1, False), "grouped-twin": (True, True, 2, False),
-              "grouped-prefetch": (True, True, 1, True),
-              "dequant": (False, True, 1, False), "dequant-prefetch": (False, True, 1, True)}
+# (DecodeConfig.fp8_grouped, num_stages): every FP8 code path of the pointer loads on the tiny spec
+# (the interpreter ignores num_stages; 2 selects the twin loads of the grouped path)
+_FP8_PATHS = {"grouped": (True, 1), "grouped-twin": (True, 2), "dequant": (False, 1)}
 
 
 @pytest.mark.parametrize("path", list(_FP8_PATHS))
 def test_decode_fp8_paths_interpreter(path, monkeypatch):
     """Each FP8 path against the reference on the edges: 3 x 12 = 36 query rows (row blocks
     of 16 straddle tokens and end part-full), requests split across parts, an empty request,
-    a 1-key one, and keys whose scale words are all zero."""
+    a 1-key one, and keys whose scale words are all zero; the launch takes the path asked for."""
     import mla_fuzz.kernels.decode_split as ds
-    grouped, twin, stages, prefetch = _FP8_PATHS[path]
-    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
-    monkeypatch.setattr(ds, "FP8_TWIN_LOADS", twin)
+    grouped, stages = _FP8_PATHS[path]
+    seen = spy_launches(monkeypatch, ds, "_decode_split_kernel", "GROUPED", "TWIN")
     spec = ModelSpec.tiny(num_heads=12)
-    assert ds.fp8_grouped_dots(spec.kv_lora_rank, spec.fp8_group) == grouped
+    assert ds.fp8_grouped_dots(spec.kv_lora_rank, spec.fp8_group)
     case = make_case(spec, seq_lens=[37, 0, 70, 1, 16], q_lens=[3, 0, 2, 1, 3], s_q=3, page_size=4,
                      kv_dtype="fp8", seed=5)
     _zero_scales(case, spec, 0, 5, 21)
     _zero_scales(case, spec, 4, 0, 16)  # every key of request 4
     cfg = DecodeConfig(block_m=16, block_n=16, num_parts=5, min_tiles_per_part=1, num_stages=stages,
-                       fp8_prefetch=prefetch)
+                       fp8_grouped=grouped)
     _check_bf16_and_fp32_q(case, spec, cfg, path)
+    assert seen == [(grouped, grouped and stages >= 2)] * 2
 
 
 @pytest.mark.parametrize("group", [8, 32, 64])
@@ -212,15 +209,14 @@ def test_decode_long_split_gpu(kv):
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=kv)
 
 
-# the FP8 load paths of the default configs (checked on an H200 before they became defaults),
-# plus the grouped-dot twin loads (num_stages >= 2, block_m <= 32) at the shapes it may be tuned to
-# (128-key tiles at 16 rows: the default since the H100 re-sweep)
-_GPU_FP8_VARIANTS = [(16, 1, DecodeConfig(block_m=16, block_n=bn, num_warps=8, num_stages=st, num_parts=132,
-                                          fp8_prefetch=pf)) for bn, st, pf in ((64, 1, True), (64, 2, False),
-                                                                               (32, 3, False), (128, 2, False))] + \
+# the Triton kernel's FP8 load paths: one stage (TMA at 16 rows where a tile fits a page, else
+# plain pointer loads), the grouped-dot twin loads (num_stages >= 2, block_m <= 32) at the shapes
+# they may be tuned to (128-key tiles at 16 rows: the default off Hopper), 64-row blocks
+_GPU_FP8_VARIANTS = [(16, 1, DecodeConfig(block_m=16, block_n=bn, num_warps=8, num_stages=st, num_parts=132))
+                     for bn, st in ((64, 1), (64, 2), (32, 3), (128, 2))] + \
                     [(16, 2, DecodeConfig(block_m=32, block_n=64, num_warps=8, num_stages=2, num_parts=132))] + \
-                    [(128, 2, DecodeConfig(block_m=64, block_n=bn, num_warps=8, num_stages=st, num_parts=33,
-                                           fp8_prefetch=pf)) for bn, st, pf in ((64, 2, False), (32, 1, True))]
+                    [(128, 2, DecodeConfig(block_m=64, block_n=bn, num_warps=8, num_stages=st, num_parts=33))
+                     for bn, st in ((64, 2), (32, 1))]
 # each variant on both FP8 paths, except the dequantise path at 128-key tiles: its [128, rank]
 # dequantised tile does not fit an H100's shared memory (OutOfResources; no config picks it)
 _GPU_FP8_PATH_CASES = [(h, s_q, cfg, grouped) for h, s_q, cfg in _GPU_FP8_VARIANTS for grouped in (True, False)
@@ -228,52 +224,52 @@ _GPU_FP8_PATH_CASES = [(h, s_q, cfg, grouped) for h, s_q, cfg in _GPU_FP8_VARIAN
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "ptr"])
 @pytest.mark.parametrize("heads,s_q,cfg,grouped", _GPU_FP8_PATH_CASES)
-def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, tma, monkeypatch):
-    """Every FP8 load path the benchmark may pick is checked against the reference, on both
-    FP8 paths (kernels.decode_split.FP8_GROUPED_DOTS), with TMA tile loads (FP8_TMA; taken
-    on compute capability >= 9 for row blocks <= 32) and without. The cache rows past each
-    request's length are NaN (make_case): the TMA boxes load them and must mask them."""
+def test_decode_fp8_load_paths_gpu(heads, s_q, cfg, grouped, monkeypatch):
+    """Every FP8 load path of the Triton kernel against the reference, on both FP8 paths
+    (``DecodeConfig.fp8_grouped``), with TMA tile loads where ``fp8_tma_plan`` takes them
+    (compute capability >= 9, 16-row blocks, a tile inside a page) and pointer loads elsewhere.
+    The cache rows past each request's length are NaN (make_case): the TMA boxes load them and
+    must mask them."""
     import mla_fuzz.kernels.decode_split as ds
-    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
-    monkeypatch.setattr(ds, "FP8_TMA", tma)
     seen = _spy_launches(monkeypatch, ds)
     spec = ModelSpec(num_heads=heads)
     case = make_case(spec, seq_lens=[1500, 0, 64, 333, 65], q_lens=[s_q, 0, 1, s_q, 1], s_q=s_q, page_size=64,
                      kv_dtype="fp8", seed=11, device="cuda")
+    cfg = cfg.with_(fp8_grouped=grouped)
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                   q_lens=case.q_lens, config=cfg)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
-    assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=f"{cfg} tma={tma}")
-    expect_tma = tma and cfg.block_m <= ds.TMA_MAX_BLOCK_M and torch.cuda.get_device_capability() >= (9, 0) \
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=f"{cfg}")
+    expect_tma = cfg.block_m <= ds.TMA_MAX_BLOCK_M and torch.cuda.get_device_capability() >= (9, 0) \
         and 64 % cfg.block_n == 0  # a TMA box stays inside one page
-    assert [u for u, _, _ in seen] == [expect_tma]
+    assert seen == [(expect_tma, grouped and cfg.block_m <= ds.GROUPED_MAX_BLOCK_M,
+                     ds.fp8_tma_plan(case.kv_cache, rank=512, rope_dim=64, fp8_group=128, block_m=cfg.block_m,
+                                     block_n=cfg.block_n, num_stages=cfg.num_stages).num_stages)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("on", [True, False], ids=["pmem", "no-pmem"])
 @pytest.mark.parametrize("heads,s_q,bn,stages", [(128, 2, 128, 1), (128, 1, 128, 1), (128, 2, 64, 2), (128, 1, 32, 1),
                                                  (16, 2, 128, 1), (20, 1, 128, 1)])
-def test_decode_fp8_p_via_memory_gpu(heads, s_q, bn, stages, on, monkeypatch):
-    """P through memory at DeepSeek size in 64-row blocks (the shipped default is 128-key
-    tiles at 1 stage): h=128, and the FP8 defaults of 17-32 rows (h=16 at s_q=2, h=20),
-    whose 64-row block is half or more padding; every program of the persistent grid writes
-    and reads its own scratch slot between CTA barriers, concurrently; a long request split
-    over many parts, short ones, empty ones, NaN past every length."""
+def test_decode_fp8_p_via_memory_gpu(heads, s_q, bn, stages, monkeypatch):
+    """P through memory at DeepSeek size in 64-row blocks of the Triton kernel (its default off
+    Hopper is 128-key tiles at 1 stage): h=128, and the FP8 defaults of 17-32 rows (h=16 at
+    s_q=2, h=20), whose 64-row block is half or more padding; every program of the persistent
+    grid writes and reads its own scratch slot between CTA barriers, concurrently; a long request
+    split over many parts, short ones, empty ones, NaN past every length."""
     import mla_fuzz.kernels.decode_split as ds
-    monkeypatch.setattr(ds, "P_VIA_MEMORY", on)
     seen = _spy_kwargs(monkeypatch, ds, "P_MEM", "GROUPED", "num_stages")
     spec = ModelSpec(num_heads=heads)
-    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_n=bn, num_stages=stages)
-    assert cfg.block_m == 64
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True, capability=(8, 0)).with_(block_n=bn,
+                                                                                            num_stages=stages)
+    assert cfg.block_m == 64 and cfg.kernel == "triton"
     case = make_case(spec, seq_lens=[9000, 1, 0, 128, 129, 2000, 64], q_lens=[s_q, 1, 0, 1, s_q, s_q, 1], s_q=s_q,
                      page_size=64, kv_dtype="fp8", seed=17, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                   q_lens=case.q_lens, config=cfg)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
-    assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=f"{cfg} P_VIA_MEMORY={on}")
-    assert seen == [(on, False, stages)]
+    assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=f"{cfg}")
+    assert seen == [(True, False, stages)]
 
 
 @pytest.mark.gpu
@@ -286,13 +282,13 @@ def test_decode_fp8_tma_stages_gpu(s_q, stages, grouped, monkeypatch):
     import mla_fuzz.kernels.decode_split as ds
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA needs compute capability >= 9")
-    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
     seen = _spy_launches(monkeypatch, ds)
     spec = ModelSpec(num_heads=16)
     # 16 * s_q rows: the 16/32-row blocks whose TMA and grouped paths this tests (FP8 at 32 rows
     # defaults to the 64-row block now, which takes neither)
     cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=16 * s_q, block_n=64,
-                                                                          num_stages=stages, fp8_grouped=grouped)
+                                                                          num_stages=stages, fp8_grouped=grouped,
+                                                                          kernel="triton")
     case = make_case(spec, seq_lens=[2100, 1, 0, 64, 127, 700], q_lens=[s_q, 1, 0, 1, s_q, s_q], s_q=s_q,
                      page_size=64, kv_dtype="fp8", seed=13, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
@@ -318,13 +314,13 @@ def test_fp8_grouped_path_only_for_small_row_blocks():
     assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what="fp8 block_m 64")
 
 
-# (page_size, block_n, num_parts, fp8_prefetch, seq_lens, q_lens): lengths 0 and 1, page and tile
-# boundaries +-1, requests cut over parts and parts holding several requests, NaN past every
-# request's length (make_case + e4m3_nan)
+# (page_size, block_n, num_parts, seq_lens, q_lens): lengths 0 and 1, page and tile boundaries
+# +-1, requests cut over parts and parts holding several requests, NaN past every request's
+# length (make_case + e4m3_nan)
 _PMEM_CASES = {
-    "p16-bn16-5parts": (16, 16, 5, False, [37, 0, 16, 1, 17, 15, 70], [3, 0, 2, 1, 3, 2, 1]),
-    "p16-bn32-3parts-prefetch": (16, 32, 3, True, [33, 31, 64, 2, 0], [3, 1, 2, 2, 0]),
-    "p64-bn16-1part": (64, 16, 1, False, [63, 65, 1, 32, 97], [1, 3, 1, 2, 3]),
+    "p16-bn16-5parts": (16, 16, 5, [37, 0, 16, 1, 17, 15, 70], [3, 0, 2, 1, 3, 2, 1]),
+    "p16-bn32-3parts": (16, 32, 3, [33, 31, 64, 2, 0], [3, 1, 2, 2, 0]),
+    "p64-bn16-1part": (64, 16, 1, [63, 65, 1, 32, 97], [1, 3, 1, 2, 3]),
 }
 
 
@@ -335,109 +331,68 @@ def test_decode_fp8_p_via_memory_interpreter(name, monkeypatch, e4m3_nan):
     the rope dot comes first. Against the reference for bf16 and fp32 q, with the launch
     checked to have taken the path (48 query rows: 16 of the block's rows are padding)."""
     import mla_fuzz.kernels.decode_split as ds
-    page, bn, parts, pf, seq, ql = _PMEM_CASES[name]
-    monkeypatch.setattr(ds, "P_VIA_MEMORY", True)
+    page, bn, parts, seq, ql = _PMEM_CASES[name]
     seen = _spy_kwargs(monkeypatch, ds, "P_MEM", "GROUPED")
     spec = ModelSpec.tiny(num_heads=16)
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=3, page_size=page, kv_dtype="fp8", seed=len(name))
     _zero_scales(case, spec, 0, 5, 21 if seq[0] >= 21 else seq[0])  # all-zero groups inside a request
-    cfg = DecodeConfig(block_m=64, block_n=bn, num_parts=parts, min_tiles_per_part=1, num_stages=1, fp8_prefetch=pf)
+    cfg = DecodeConfig(block_m=64, block_n=bn, num_parts=parts, min_tiles_per_part=1, num_stages=1)
     _check_bf16_and_fp32_q(case, spec, cfg, name)
     assert seen == [(True, False)] * 2
 
 
 def test_fp8_p_via_memory_choice(monkeypatch):
-    """Which launches hand P through memory: FP8 caches on the dequantise path in row blocks
-    of at least P_MEM_MIN_BLOCK_M (the CUDA default for h=128 FP8), with the switch on; the
-    switch off gives the former kernel, which matches the reference too."""
+    """Which launches hand P through memory: FP8 caches on the dequantise path in row blocks of
+    at least P_MEM_MIN_BLOCK_M -- the Triton kernel's CUDA default for h=128 FP8 (off Hopper, or
+    where a Hopper kernel refuses the launch) -- and the launch takes it."""
     import mla_fuzz.kernels.decode_split as ds
-    monkeypatch.setattr(ds, "P_VIA_MEMORY", True)
     assert ds.fp8_p_via_memory(True, False, 64) and ds.fp8_p_via_memory(True, False, 128)
     assert not ds.fp8_p_via_memory(True, True, 64)   # grouped path
     assert not ds.fp8_p_via_memory(False, False, 64)  # 16-bit cache: barriers would stop the pipeliner
     assert not ds.fp8_p_via_memory(True, False, 32)
-    import mla_fuzz.kernels.decode_wgmma as dw
-    cuda = torch.device("cuda")
-    monkeypatch.setattr(dw, "WGMMA_DECODE", False)  # a GPU without the Hopper Gluon kernel
-    h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
+    h128 = default_config(ModelSpec(num_heads=128), 2, torch.device("cuda"), fp8=True, capability=(8, 0))
     assert (h128.block_m, h128.block_n, h128.num_stages, h128.min_tiles_per_part) == (64, 128, 1, 1)
-    assert not h128.fp8_grouped
-    monkeypatch.setattr(dw, "WGMMA_DECODE", True)
+    assert not h128.fp8_grouped and h128.kernel == "triton"
     seen = _spy_kwargs(monkeypatch, ds, "P_MEM")
     spec = ModelSpec.tiny(num_heads=16)
     case = make_case(spec, seq_lens=[50, 3], q_lens=[4, 2], s_q=4, page_size=16, kv_dtype="fp8", seed=5)
     cfg = DecodeConfig(block_m=64, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)
-    for on in (False, True):
-        monkeypatch.setattr(ds, "P_VIA_MEMORY", on)
-        out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                      q_lens=case.q_lens, config=cfg)
-        ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                 q_lens=case.q_lens)
-        assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what=f"P_VIA_MEMORY={on}")
-    assert seen == [(False,), (True,)]
+    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                  q_lens=case.q_lens, config=cfg)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what="P through memory")
+    assert seen == [(True,)]
 
 
 def test_fp8_path_choice_follows_config(monkeypatch):
-    """``DecodeConfig.fp8_grouped`` picks the FP8 path per shape: the CUDA defaults take the
-    grouped path at 16 rows (h=16, s_q=1) and dequantise in the 64-row block above (h=16 at
-    s_q=2, whose 32 rows take the 64-row block, and h=128); on CPU the
-    fuzzer's small row counts dequantise up to 16 rows, so both paths get fuzzed. A config
-    with ``fp8_grouped=False`` still matches the reference (the launcher honours it)."""
+    """``DecodeConfig.fp8_grouped`` picks the Triton kernel's FP8 path per shape: its CUDA defaults
+    (off Hopper) take the grouped path at 16 rows (h=16, s_q=1) and dequantise in the 64-row block
+    above (h=16 at s_q=2, whose 32 rows take the 64-row block, and h=128); on CPU the fuzzer's
+    small row counts dequantise up to 16 rows and above 32, so both paths get fuzzed. The Hopper
+    routes' configs name their Gluon kernel and never the grouped path. A config with
+    ``fp8_grouped=False`` still matches the reference (the launcher honours it)."""
     import mla_fuzz.kernels.decode_split as ds
-    import mla_fuzz.kernels.decode_wgmma as dw
     cuda = torch.device("cuda")
     h16 = ModelSpec(num_heads=16)
-    # a GPU without the Hopper Gluon kernel: the Triton kernel's blocks
-    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
-    assert default_config(h16, 1, cuda, fp8=True).fp8_grouped
-    h16_sq2 = default_config(h16, 2, cuda, fp8=True)
+    ampere = dict(capability=(8, 0))
+    assert default_config(h16, 1, cuda, fp8=True, **ampere).fp8_grouped
+    h16_sq2 = default_config(h16, 2, cuda, fp8=True, **ampere)
     assert not h16_sq2.fp8_grouped and (h16_sq2.block_m, h16_sq2.block_n, h16_sq2.num_stages) == (64, 128, 1)
     assert ds.fp8_p_via_memory(True, h16_sq2.fp8_grouped, h16_sq2.block_m)  # P through memory
-    h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
+    h128 = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True, **ampere)
     assert (h128.block_m, h128.block_n, h128.min_tiles_per_part) == (64, 128, 1)
-    assert default_config(h16, 2, cuda).block_m == 32  # bf16 keeps its 32-row block
-    # Hopper: 64-row blocks of 64-key tiles for the Gluon kernel, bf16 s_q=2 included (parts of
-    # 4 tiles at bf16's 32 rows, else 2) -- bf16 at 16 and 32 rows the TMA Gluon kernel's 16- and
-    # 32-row blocks of 64 keys with 4 warps (parts of 4 tiles); FP8 h=16 the warp-specialised Gluon
-    # kernel's 16-row blocks of 64 keys at s_q=1 (4 warps, parts of 4 tiles) and the 64-row
-    # blocks (parts of 2) at s_q=2; the keys-on-M one's 16-row blocks of 128 keys with the
-    # first off (parts of 2), its 32-row ones at s_q=2 with the warp-specialised 64-row kernel
-    # off (parts of 1) -- or, with the keys-on-M kernel off, the 64-row blocks (parts of 4 and 2)
-    monkeypatch.setattr(dw, "WGMMA_DECODE", True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    for heads, s_q, fp8, block, min_tiles in ((16, 1, True, (16, 64, 4), 4), (16, 2, True, (64, 64, 8), 2),
-                                              (16, 2, False, (32, 64, 4), 4), (128, 1, True, (64, 64, 8), 2),
-                                              (128, 2, True, (64, 64, 8), 2), (128, 2, False, (64, 64, 8), 2)):
-        cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8)
-        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (*block, min_tiles), cfg
+    assert default_config(h16, 2, cuda, **ampere).block_m == 32  # bf16 keeps its 32-row block
+    # Hopper: (heads, s_q, fp8) -> (kernel, block_m, block_n, warps, min_tiles)
+    for heads, s_q, fp8, want in ((16, 1, True, ("wgmma_rs", 16, 64, 4, 4)), (16, 2, True, ("wgmma_ws64", 64, 64, 8, 2)),
+                                  (16, 1, False, ("wgmma_kt", 16, 64, 4, 4)), (16, 2, False, ("wgmma_kt", 32, 64, 4, 4)),
+                                  (128, 1, True, ("wgmma_ws64", 64, 64, 8, 2)), (128, 2, True, ("wgmma_ws64", 64, 64, 8, 2)),
+                                  (128, 2, False, ("wgmma_pp", 64, 64, 8, 2))):
+        cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=fp8, capability=(9, 0))
+        assert (cfg.kernel, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == want, cfg
         assert not cfg.fp8_grouped
-    monkeypatch.setattr(dw, "WGMMA_WS", False)
-    cfg = default_config(h16, 1, cuda, fp8=True)
-    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (16, 128, 8, 2), cfg
-    monkeypatch.setattr(dw, "WGMMA_WS", True)
-    monkeypatch.setattr(dw, "WGMMA_WS64", False)
-    cfg = default_config(h16, 2, cuda, fp8=True)
-    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (32, 128, 8, 1), cfg
-    monkeypatch.setattr(dw, "WGMMA_WS64", True)
-    monkeypatch.setattr(dw, "WGMMA_KEYS", False)
-    for s_q, min_tiles in ((1, 4), (2, 2)):
-        cfg = default_config(h16, s_q, cuda, fp8=True)
-        assert (cfg.block_m, cfg.block_n, cfg.min_tiles_per_part) == (64, 64, min_tiles), cfg
-    monkeypatch.setattr(dw, "WGMMA_KEYS", True)
-    # 16-bit at up to 16 rows: the TMA keys-on-M kernel's blocks (parts of four 64-key tiles);
-    # with its switch off, the Triton kernel's own (parts of two 128-key tiles)
-    cfg = default_config(h16, 1, cuda)
-    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (16, 64, 4, 4), cfg
-    monkeypatch.setattr(dw, "WGMMA_KT", False)
-    cfg = default_config(h16, 1, cuda)
-    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (16, 128, 8, 2), cfg
-    cfg = default_config(h16, 2, cuda)  # 32 rows: the 64-row Gluon kernel's blocks
-    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.min_tiles_per_part) == (64, 64, 8, 4), cfg
-    monkeypatch.setattr(dw, "WGMMA_KT", True)
-    # the sparse decode (its own kernel) keeps its blocks
+    # the sparse decode (its own kernel) keeps the Triton blocks
     assert default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True, sparse=True).block_n == 128
     assert default_config(h16, 1, cuda, fp8=True, sparse=True).block_m == 16
-    assert not default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True).fp8_grouped
     tiny = ModelSpec.tiny(num_heads=8)
     assert not default_config(tiny, 2, torch.device("cpu"), fp8=True).fp8_grouped
     assert default_config(tiny, 4, torch.device("cpu"), fp8=True).fp8_grouped
@@ -459,36 +414,33 @@ def test_cuda_defaults_split_h16_x2_rows_in_two_blocks_at_small_batches(monkeypa
     """On Hopper, h=16 x 2 query rows (FP8 and bf16) of a batch of at most
     ``SPLIT_ROWS_MAX_BATCH`` requests take two 16-row blocks of 64-key tiles with 4 warps and
     half the SMs' parts (one program a part and block), parts of two tiles; larger batches and
-    ``batch=None`` keep the one-block defaults, as do 16 rows, h=128, the tiny spec, non-Hopper
-    devices and the few-row kernels' switches off. ``mla_decode`` passes its batch size."""
-    import mla_fuzz.kernels.decode_wgmma as dw
-    from mla_fuzz.kernels.config import SPLIT_ROWS_MAX_BATCH, _sm_count
+    ``batch=None`` keep the one-block routes, as do 16 rows, h=128, the tiny spec and non-Hopper
+    devices. ``mla_decode`` passes its batch size."""
+    from mla_fuzz.kernels.config import sm_count
+    from mla_fuzz.kernels.routes import SPLIT_ROWS_MAX_BATCH
     cuda = torch.device("cuda")
     h16 = ModelSpec(num_heads=16)
-    monkeypatch.setattr(dw, "WGMMA_DECODE", True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    half = _sm_count(cuda) // 2
+    hopper = dict(capability=(9, 0))
+    half = sm_count(cuda) // 2
     for fp8 in (True, False):
-        big = default_config(h16, 2, cuda, fp8=fp8)
+        big = default_config(h16, 2, cuda, fp8=fp8, **hopper)
         for batch in (1, 4, SPLIT_ROWS_MAX_BATCH):
-            cfg = default_config(h16, 2, cuda, fp8=fp8, batch=batch)
-            assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_parts, cfg.min_tiles_per_part) == \
-                (16, 64, 4, half, 2), (fp8, batch, cfg)
+            cfg = default_config(h16, 2, cuda, fp8=fp8, batch=batch, **hopper)
+            assert (cfg.kernel, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_parts, cfg.min_tiles_per_part) == \
+                ("wgmma_rs" if fp8 else "wgmma_kt", 16, 64, 4, half, 2), (fp8, batch, cfg)
             assert not cfg.fp8_grouped and cfg.m_blocks(2, 16) == 2
         for batch in (SPLIT_ROWS_MAX_BATCH + 1, 32, 128):
-            assert default_config(h16, 2, cuda, fp8=fp8, batch=batch) == big, (fp8, batch)
+            assert default_config(h16, 2, cuda, fp8=fp8, batch=batch, **hopper) == big, (fp8, batch)
         assert big.block_m in (32, 64)
         for heads, s_q in ((16, 1), (128, 1), (128, 2)):
             spec = ModelSpec(num_heads=heads)
-            assert default_config(spec, s_q, cuda, fp8=fp8, batch=1) == default_config(spec, s_q, cuda, fp8=fp8)
+            assert default_config(spec, s_q, cuda, fp8=fp8, batch=1, **hopper) == \
+                default_config(spec, s_q, cuda, fp8=fp8, **hopper)
         tiny = ModelSpec.tiny(num_heads=16)
-        assert default_config(tiny, 2, cuda, fp8=fp8, batch=1) == default_config(tiny, 2, cuda, fp8=fp8)
-    for switch, fp8 in (("WGMMA_WS", True), ("WGMMA_KT", False)):
-        monkeypatch.setattr(dw, switch, False)
-        assert default_config(h16, 2, cuda, fp8=fp8, batch=1) == default_config(h16, 2, cuda, fp8=fp8), switch
-        monkeypatch.setattr(dw, switch, True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert default_config(h16, 2, cuda, fp8=True, batch=1) == default_config(h16, 2, cuda, fp8=True)
+        assert default_config(tiny, 2, cuda, fp8=fp8, batch=1, **hopper) == default_config(tiny, 2, cuda, fp8=fp8,
+                                                                                          **hopper)
+    assert default_config(h16, 2, cuda, fp8=True, batch=1, capability=(8, 0)) == \
+        default_config(h16, 2, cuda, fp8=True, capability=(8, 0))
     # mla_decode's default: the batch of its q (a CPU run: the interpreter's blocks either way)
     seen = []
     real = kernels.decode.default_config
@@ -559,150 +511,74 @@ def test_interpreter_e4m3_nan_fixture(e4m3_nan):
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(y[2:], ref[2:])
 
 
-# (FP8_GROUPED_DOTS, page_size, block_n, seq_lens, q_lens): lengths 0, 1, page and tile
-# boundaries +-1, partial last tiles; every slot past a request's length is NaN (make_case)
-_TMA_CASES = {
-    "grouped-p16": (True, 16, 16, [37, 0, 16, 1, 17, 15, 70], [3, 0, 2, 1, 3, 2, 1]),
-    "dequant-p16": (False, 16, 16, [37, 0, 16, 1, 17, 15, 70], [3, 0, 2, 1, 3, 2, 1]),
-    "grouped-p32-bn16": (True, 32, 16, [33, 31, 64, 2, 0], [3, 1, 2, 2, 0]),
-    "dequant-p64-bn32": (False, 64, 32, [63, 65, 1, 32, 97], [1, 3, 1, 2, 3]),
-}
-
-
-@pytest.mark.parametrize("name", list(_TMA_CASES))
-def test_decode_fp8_tma_interpreter(name, monkeypatch, e4m3_nan):
-    """The FP8 TMA path (forced on under the interpreter) against the reference: both FP8
-    paths, page sizes that are multiples of block_n, NaN in every cache row past a request's
-    length (codes made NaN for real by ``e4m3_nan``), split requests, bf16 and fp32 q."""
-    import mla_fuzz.kernels.decode_split as ds
-    grouped, page, bn, seq, ql = _TMA_CASES[name]
-    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
-    monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", True)
-    seen = _spy_launches(monkeypatch, ds)
-    spec = ModelSpec.tiny(num_heads=12)
-    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=3, page_size=page, kv_dtype="fp8", seed=len(name))
-    _zero_scales(case, spec, 0, 5, 21)  # all-zero groups inside a request
-    # block_n=16: 36 rows in row blocks of 16 (straddling tokens); prefetch asked, TMA replaces it
-    cfg = DecodeConfig(block_m=16, block_n=bn, num_parts=5, min_tiles_per_part=1, num_stages=1, fp8_prefetch=True)
-    _check_bf16_and_fp32_q(case, spec, cfg, name)
-    assert seen == [(True, grouped, ds.FP8_TMA_STAGES)] * 2
-
-
-def test_decode_fp8_tma_falls_back_when_tiles_cross_pages(monkeypatch, e4m3_nan):
+def test_decode_fp8_tma_falls_back_when_tiles_cross_pages(e4m3_nan):
     """page_size % block_n != 0: a tile may span two pages, so no box covers it and the
-    pointer path runs (still exact against the reference)."""
+    pointer path runs, on a TMA device too (still exact against the reference)."""
     import mla_fuzz.kernels.decode_split as ds
-    monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", True)
-    seen = _spy_launches(monkeypatch, ds)
     spec = ModelSpec.tiny(num_heads=4)
     case = make_case(spec, seq_lens=[33, 7, 0], q_lens=[2, 1, 0], s_q=2, page_size=8, kv_dtype="fp8", seed=4)
     plan = ds.fp8_tma_plan(case.kv_cache, rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim,
-                           fp8_group=spec.fp8_group, block_m=16, block_n=16, num_stages=2)
+                           fp8_group=spec.fp8_group, block_m=16, block_n=16, num_stages=2, capability=(9, 0))
     assert not plan.use and "page_size" in plan.reason
     cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=2)
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                   q_lens=case.q_lens, config=cfg)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
     assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16], what="fallback")
-    assert seen == [(False, True, 2)]
 
 
-def test_fp8_tma_plan_host_decision(monkeypatch):
-    """``fp8_tma_plan`` (host only, no GPU needed): the shipped CUDA default config for the
-    memory-bound 16-row FP8 shape (h=16, s_q=1) has 128-key tiles, which take the TMA path
-    at pages of 128 but not 64 (a box must stay inside one page); its 64-key variant takes it
-    at page 64 on compute capability 9.x (32 rows, s_q=2, do not: measured slower),
-    pipelined (num_stages=1 is read as FP8_TMA_STAGES); not on 8.x, not
-    with the switch off, not for 64-row blocks, not for a misaligned or non-contiguous cache;
-    off on a CPU tensor unless FP8_TMA_ANY_DEVICE; deep pipelines are cut to the smem budget."""
+def test_fp8_tma_plan_host_decision():
+    """``fp8_tma_plan`` (host only, no GPU needed): the Triton kernel's CUDA default for the
+    memory-bound 16-row FP8 shape (h=16, s_q=1, off Hopper) has 128-key tiles, which take the TMA
+    path at pages of 128 but not 64 (a box must stay inside one page); its 64-key variant takes it
+    at page 64 on compute capability 9+ (32 rows, s_q=2, do not: measured slower), pipelined
+    (num_stages=1 is read as FP8_TMA_STAGES); not on 8.x, not on a CPU tensor, not for 64-row
+    blocks, not for a misaligned or non-contiguous cache; deep pipelines are cut to the smem
+    budget."""
     import mla_fuzz.kernels.decode_split as ds
-    import mla_fuzz.kernels.decode_wgmma as dw
-    # the Triton kernel's defaults (on Hopper, h=16 FP8 runs the Gluon 64-row kernel: no TMA plan)
-    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
     cuda = torch.device("cuda")
     spec = ModelSpec(num_heads=16)
     cache = torch.zeros(3, 64, spec.fp8_bytes_per_token, dtype=torch.uint8)
     dims = dict(rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, fp8_group=spec.fp8_group)
 
+    def default(s_q, heads=16):
+        return default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8=True, capability=(8, 0))
+
     def plan(cfg, kv=cache, cap=(9, 0)):
         return ds.fp8_tma_plan(kv, block_m=cfg.block_m, block_n=cfg.block_n, num_stages=cfg.num_stages,
                                capability=cap, **dims)
 
-    assert not plan(default_config(spec, 2, cuda, fp8=True)).use  # 32 rows: the 64-row block, no TMA
-    assert not plan(default_config(spec, 1, cuda, fp8=True).with_(block_m=32, block_n=64)).use  # measured slower
+    assert not plan(default(2)).use  # 32 rows: the 64-row block, no TMA
+    assert not plan(default(1).with_(block_m=32, block_n=64)).use  # measured slower
     # the 16-row default takes 128-key tiles (measured faster): no TMA at page 64, TMA at 128
-    assert default_config(spec, 1, cuda, fp8=True).block_n == 128
-    assert not plan(default_config(spec, 1, cuda, fp8=True)).use
+    assert default(1).block_n == 128
+    assert not plan(default(1)).use
     page128 = torch.zeros(3, 128, spec.fp8_bytes_per_token, dtype=torch.uint8)
-    assert plan(default_config(spec, 1, cuda, fp8=True), kv=page128).use
-    for s_q in (1,):
-        cfg = default_config(spec, s_q, cuda, fp8=True).with_(block_n=64)
-        p = plan(cfg)
-        assert p.use and p.num_stages == (cfg.num_stages if cfg.num_stages >= 2 else ds.FP8_TMA_STAGES), p
-        assert plan(cfg, cap=(10, 0)).use
-        assert not plan(cfg, cap=(8, 0)).use
-        assert not ds.fp8_tma_plan(cache, block_m=cfg.block_m, block_n=cfg.block_n, num_stages=2, **dims).use
-        n = 2 * 64 * spec.fp8_bytes_per_token
-        misaligned = torch.zeros(n + 8, dtype=torch.uint8)[8:].view(2, 64, -1)
-        assert misaligned.data_ptr() % 16 and not plan(cfg, kv=misaligned).use
-        assert not plan(cfg, kv=cache.transpose(0, 1)).use
-        assert not plan(cfg, kv=torch.zeros(3, 64, 1, spec.d_qk, dtype=torch.bfloat16)).use
-        assert not plan(cfg.with_(block_n=128, num_stages=2), kv=cache).use  # 64 % 128
-    big = default_config(ModelSpec(num_heads=128), 2, cuda, fp8=True)
+    assert plan(default(1), kv=page128).use
+    cfg = default(1).with_(block_n=64)
+    p = plan(cfg)
+    assert p.use and p.num_stages == (cfg.num_stages if cfg.num_stages >= 2 else ds.FP8_TMA_STAGES), p
+    assert plan(cfg, cap=(10, 0)).use
+    assert not plan(cfg, cap=(8, 0)).use
+    assert not ds.fp8_tma_plan(cache, block_m=cfg.block_m, block_n=cfg.block_n, num_stages=2, **dims).use  # CPU
+    n = 2 * 64 * spec.fp8_bytes_per_token
+    misaligned = torch.zeros(n + 8, dtype=torch.uint8)[8:].view(2, 64, -1)
+    assert misaligned.data_ptr() % 16 and not plan(cfg, kv=misaligned).use
+    assert not plan(cfg, kv=cache.transpose(0, 1)).use
+    assert not plan(cfg, kv=torch.zeros(3, 64, 1, spec.d_qk, dtype=torch.bfloat16)).use
+    assert not plan(cfg.with_(block_n=128, num_stages=2), kv=cache).use  # 64 % 128
+    big = default(2, heads=128)
     assert big.block_m == 64 and not plan(big).use
-    cfg = default_config(spec, 1, cuda, fp8=True).with_(block_n=64)
     assert plan(cfg.with_(num_stages=4)).num_stages == 4
     cut = plan(cfg.with_(num_stages=8))
     assert cut.use and cut.num_stages * cfg.block_n * spec.fp8_bytes_per_token <= ds.FP8_TMA_SMEM_BUDGET < \
         (cut.num_stages + 1) * cfg.block_n * spec.fp8_bytes_per_token
-    monkeypatch.setattr(ds, "FP8_TMA", False)
-    assert not plan(cfg).use
-    monkeypatch.setattr(ds, "FP8_TMA", True)
-    monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", True)
-    assert ds.fp8_tma_plan(cache, block_m=16, block_n=64, num_stages=2, **dims).use
-
-
-@st.composite
-def tma_case(draw):
-    heads = draw(st.sampled_from([1, 3, 8, 12]))
-    s_q = draw(st.integers(1, 4))
-    page, bn = draw(st.sampled_from([(16, 16), (32, 16), (32, 32)]))
-    seq, ql = draw(lens_strategy(max_batch=4, max_len=70, s_q=s_q, page_size=page))
-    grouped = draw(st.booleans())
-    parts = draw(st.sampled_from([1, 3, 5]))
-    seed = draw(st.integers(0, 2 ** 16))
-    return heads, s_q, page, bn, seq, ql, grouped, parts, seed
-
-
-@settings(max_examples=10, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(tma_case())
-def test_decode_fp8_tma_random_interpreter(monkeypatch, e4m3_nan, args):
-    """Random batches through the forced TMA path (both FP8 paths) against the reference."""
-    import mla_fuzz.kernels.decode_split as ds
-    heads, s_q, page, bn, seq, ql, grouped, parts, seed = args
-    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
-    monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", True)
-    spec = ModelSpec.tiny(num_heads=heads)
-    case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype="fp8", seed=seed)
-    assert ds.fp8_tma_plan(case.kv_cache, rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim,
-                           fp8_group=spec.fp8_group, block_m=16, block_n=bn, num_stages=2).use
-    cfg = DecodeConfig(block_m=16, block_n=bn, num_parts=parts, min_tiles_per_part=1, num_stages=2)
-    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                  q_lens=case.q_lens, config=cfg)
-    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
-    assert_decode_close(out, lse, *ref, tol=TOL_INTERP[torch.bfloat16],
-                        what=f"h={heads} s_q={s_q} page={page} bn={bn} seq={seq} ql={ql} grouped={grouped}")
 
 
 # --------------------------------------------------------------------------- FP8 fp16 dots
 
 def _spy_kwargs(monkeypatch, ds, *names):
-    """Record the constexprs ``names`` of every decode_split launch (a tuple per launch).
-    The Triton kernel's paths are what such a test checks, so the Hopper Gluon kernel
-    (kernels/decode_wgmma.py, which would take 64-row blocks of 64 keys) is switched off."""
-    import mla_fuzz.kernels.decode_wgmma as dw
-    monkeypatch.setattr(dw, "WGMMA_DECODE", False)
+    """Record the constexprs ``names`` of every launch of the Triton kernel (a tuple per launch)."""
     return spy_launches(monkeypatch, ds, "_decode_split_kernel", *names)
 
 
@@ -756,60 +632,47 @@ def _assert_close_big_rows(out, lse, ref_out, ref_lse, big, *, tol, what, rel_ls
     assert_decode_close(out, torch.where(big, ref_lse, lse), ref_out, ref_lse, tol=tol, what=what)
 
 
-# (FP8_TWIN_LOADS, num_stages, fp8_prefetch, FP8_TMA_ANY_DEVICE, page, block_n): the grouped
-# path's load variants with the fp16 dots (the interpreter ignores num_stages; 2 -> twin loads)
-_F16_PATHS = {"plain": (True, 1, False, False, 4, 16), "twin": (True, 2, False, False, 4, 16),
-              "prefetch": (True, 1, True, False, 8, 16), "tma": (True, 1, True, True, 16, 16)}
+# (num_stages, page, block_n): the grouped path's pointer-load variants with the fp16 dots (the
+# interpreter ignores num_stages; 2 -> twin loads)
+_F16_PATHS = {"plain": (1, 4, 16), "twin": (2, 4, 16), "page-8": (1, 8, 16)}
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf padding q x 0 codes
 @pytest.mark.parametrize("path", list(_F16_PATHS))
 def test_decode_fp8_fp16_dots_interpreter(path, monkeypatch, e4m3_nan):
-    """The grouped path with fp16 dots (``FP8_FP16_DOTS``, bf16 q) against the reference for
-    each load variant: query rows far outside fp16's range (finite and exact only through
-    the per-row power-of-two scaling), at its threshold, tiny, zero, and NaN / inf padding
-    rows next to real ones; NaN cache slots past every request (made real NaN codes by
-    ``e4m3_nan``), split requests, an empty request and all-zero scale groups."""
+    """The grouped path with fp16 dots (bf16 q) against the reference for each load variant:
+    query rows far outside fp16's range (finite and exact only through the per-row
+    power-of-two scaling), at its threshold, tiny, zero, and NaN / inf padding rows next to
+    real ones; NaN cache slots past every request (made real NaN codes by ``e4m3_nan``), split
+    requests, an empty request and all-zero scale groups."""
     import mla_fuzz.kernels.decode_split as ds
-    twin, stages, prefetch, tma, page, bn = _F16_PATHS[path]
-    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
-    monkeypatch.setattr(ds, "FP8_FP16_DOTS", True)
-    monkeypatch.setattr(ds, "FP8_TWIN_LOADS", twin)
-    monkeypatch.setattr(ds, "FP8_TMA_ANY_DEVICE", tma)
-    seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS", "USE_TMA", "TWIN", "FP8_PREFETCH")
+    stages, page, bn = _F16_PATHS[path]
+    seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS", "USE_TMA", "TWIN")
     spec = ModelSpec.tiny(num_heads=8)  # 24 rows: two row blocks of 16, the second part-full
     case, big = _f16_dots_case(spec, seq_lens=[37, 0, 70, 1, 16, 23], q_lens=[3, 0, 2, 1, 3, 2], s_q=3,
                                page_size=page, seed=21)
     _zero_scales(case, spec, 2, 3, 19)
-    cfg = DecodeConfig(block_m=16, block_n=bn, num_parts=5, min_tiles_per_part=1, num_stages=stages,
-                       fp8_prefetch=prefetch)
+    cfg = DecodeConfig(block_m=16, block_n=bn, num_parts=5, min_tiles_per_part=1, num_stages=stages)
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                   q_lens=case.q_lens, config=cfg)
     ref_out, ref_lse = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
                                           q_lens=case.q_lens)
     _assert_close_big_rows(out, lse, ref_out, ref_lse, big, tol=TOL_INTERP[torch.bfloat16], what=path)
-    assert seen == [(True, True, tma, twin and stages >= 2, prefetch and not tma)]
+    assert seen == [(True, True, False, stages >= 2)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("s_q,stages,prefetch,tma,f16", [
-    (1, 1, True, True, True), (1, 2, False, True, True), (1, 2, False, False, True), (1, 1, True, False, True),
-    (2, 1, True, True, True), (2, 3, False, True, True), (1, 1, True, True, False), (2, 1, True, True, False)])
-def test_decode_fp8_fp16_dots_gpu(s_q, stages, prefetch, tma, f16, monkeypatch):
-    """The grouped FP8 path at DeepSeek size (h=16) with the fp16 dots on (and off) through
-    each load variant: TMA (16 rows, compute capability 9), twin loads (num_stages >= 2),
-    the register prefetch; query rows far outside fp16's range, NaN past every request."""
+@pytest.mark.parametrize("s_q,stages", [(1, 1), (1, 2), (2, 1), (2, 3)])
+def test_decode_fp8_fp16_dots_gpu(s_q, stages, monkeypatch):
+    """The grouped FP8 path of the Triton kernel at DeepSeek size (h=16) with its fp16 dots
+    through each load variant: TMA (16 rows, compute capability 9+, page 64), twin loads
+    (num_stages >= 2, 32 rows); query rows far outside fp16's range, NaN past every request."""
     import mla_fuzz.kernels.decode_split as ds
-    monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", True)
-    monkeypatch.setattr(ds, "FP8_FP16_DOTS", f16)
-    monkeypatch.setattr(ds, "FP8_TMA", tma)
     seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS", "USE_TMA")
     spec = ModelSpec(num_heads=16)
-    # 64-key tiles: the shape every load variant (TMA at page 64, register prefetch) applies to
-    # (16 * s_q rows: the grouped path's blocks; FP8 at 32 rows defaults to the 64-row block)
-    cfg = default_config(spec, s_q, torch.device("cuda"), fp8=True).with_(block_m=16 * s_q, block_n=64,
-                                                                          num_stages=stages, fp8_prefetch=prefetch,
-                                                                          fp8_grouped=True)
+    # 64-key tiles: the shape TMA takes at page 64 (16 * s_q rows: the grouped path's blocks)
+    cfg = DecodeConfig(block_m=16 * s_q, block_n=64, num_warps=8, num_stages=stages, fp8_grouped=True,
+                       num_parts=max(1, torch.cuda.get_device_properties(0).multi_processor_count))
     case, big = _f16_dots_case(spec, seq_lens=[2100, 1, 0, 64, 127, 700], q_lens=[s_q, 1, 0, 1, s_q, s_q], s_q=s_q,
                                page_size=64, seed=17, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
@@ -818,99 +681,29 @@ def test_decode_fp8_fp16_dots_gpu(s_q, stages, prefetch, tma, f16, monkeypatch):
                                           q_lens=case.q_lens)
     _assert_close_big_rows(out, lse, ref_out, ref_lse, big, tol=TOL_GPU[torch.bfloat16], what=f"{cfg}",
                            rel_lse=1e-4)
-    use_tma = tma and cfg.block_m <= ds.TMA_MAX_BLOCK_M and torch.cuda.get_device_capability() >= (9, 0)
-    assert seen == [(True, f16, use_tma)]
+    use_tma = cfg.block_m <= ds.TMA_MAX_BLOCK_M and torch.cuda.get_device_capability() >= (9, 0)
+    assert seen == [(True, True, use_tma)]
 
 
-def test_decode_fp8_fp16_dots_switch(monkeypatch):
-    """``FP8_FP16_DOTS`` applies to the grouped path with bf16 queries only; switched off,
-    the launch is today's bf16-dot path. Both match the reference, and under the interpreter
-    they differ (the fp16 rounding of ``P * sc`` is really executed), while fp32 and fp16
-    queries and the dequantise path never take it."""
+def test_decode_fp8_fp16_dots_only_for_bf16_queries_on_the_grouped_path(monkeypatch):
+    """The fp16 dots apply to the grouped path with bf16 queries only; fp32 and fp16 queries and
+    the dequantise path never take them. All match the reference."""
     import mla_fuzz.kernels.decode_split as ds
     seen = _spy_kwargs(monkeypatch, ds, "GROUPED", "F16_DOTS")
     spec = ModelSpec.tiny(num_heads=4)
     case = make_case(spec, seq_lens=[33, 7, 0, 50], q_lens=[2, 1, 0, 2], s_q=2, page_size=4, kv_dtype="fp8",
                      seed=11)
-    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)
-    outs = {}
-    for switch in (True, False):
-        monkeypatch.setattr(ds, "FP8_FP16_DOTS", switch)
-        for grouped in (True, False):
-            monkeypatch.setattr(ds, "FP8_GROUPED_DOTS", grouped)
-            for q_dtype in (torch.bfloat16, torch.float16, torch.float32):
-                q = case.q.to(q_dtype)
-                out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                              q_lens=case.q_lens, config=cfg)
-                ref = mla_ref.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                         q_lens=case.q_lens)
-                what = f"switch={switch} grouped={grouped} {q_dtype}"
-                assert_decode_close(out, lse, *ref, tol=TOL_INTERP[q_dtype], what=what)
-                assert seen.pop() == (grouped, switch and grouped and q_dtype == torch.bfloat16), what
-                outs[what] = (out, lse)
-    on, off = outs["switch=True grouped=True torch.bfloat16"], outs["switch=False grouped=True torch.bfloat16"]
-    assert not torch.equal(on[0], off[0]), "the fp16 rounding of P * sc left every output bit unchanged"
-    for q_dtype in (torch.float16, torch.float32):
-        a, b = outs[f"switch=True grouped=True {q_dtype}"], outs[f"switch=False grouped=True {q_dtype}"]
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), q_dtype
-
-
-def _load_fp8_bench(monkeypatch):
-    """``benchmarks/fp8_decode_bench.py`` as a module (its dry runs set the switches of
-    kernels.decode_split per variant, and its import turns the Hopper Gluon kernel off:
-    restored after the test)."""
-    import importlib.util
-    import os
-    import sys
-
-    import mla_fuzz.kernels.decode_split as ds
-    import mla_fuzz.kernels.decode_wgmma as dw
-    for name in ("FP8_GROUPED_DOTS", "FP8_TWIN_LOADS", "FP8_TMA", "FP8_FP16_DOTS", "P_VIA_MEMORY"):
-        monkeypatch.setattr(ds, name, getattr(ds, name))
-    monkeypatch.setattr(dw, "WGMMA_DECODE", dw.WGMMA_DECODE)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "fp8_decode_bench.py")
-    spec = importlib.util.spec_from_file_location("_fp8_decode_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_fp8_bench_pmem_plan(monkeypatch, capsys):
-    """``fp8_decode_bench.py --pmem --dry-run`` runs without a GPU and plans, per s_q at h=128,
-    P through memory off (the baseline) / on at the former 64-key / 2-stage config and at the
-    shipped default; only the switch differs within a pair, and the path is taken when on."""
-    bench = _load_fp8_bench(monkeypatch)
-    assert bench.main(["--pmem", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert "# 48 measurements" in out and out.count("p_mem=True") == 4 and out.count("p_mem=False") == 4
-    for s_q in (1, 2):
-        settings = bench.pmem_settings(s_q)
-        assert [lab for lab, _, _ in settings] == ["off@bn64st2", "on@bn64st2", "off@default", "on@default"]
-        assert settings[2][2] == settings[3][2] == bench.shipped_config(s_q, 128)
-        old = settings[0][2]
-        assert (old.block_m, old.block_n, old.num_stages, old.min_tiles_per_part) == (64, 64, 2, 2)
-    assert bench.VARIANTS["pmem-off"] == dict(bench.VARIANTS["pmem-on"], P_VIA_MEMORY=False)
-    assert bench.VARIANTS["pmem-on"]["P_VIA_MEMORY"]
-
-
-def test_fp8_bench_f16_plan(monkeypatch, capsys):
-    """``benchmarks/fp8_decode_bench.py --f16 --dry-run`` runs without a GPU and plans, per s_q,
-    the shipped baseline and fp16 / bf16 pairs of the grouped path: pointer loads at
-    num_stages 1 (+prefetch), 2 and 3, and TMA at 2 and 3 where it applies (16-row blocks)."""
-    bench = _load_fp8_bench(monkeypatch)
-    assert bench.main(["--f16", "--dry-run"]) == 0
-    assert "# 108 measurements" in capsys.readouterr().out
-    for s_q, tma in ((1, True), (2, False)):
-        settings = bench.f16_settings(s_q)
-        assert settings[0][:2] == ("shipped@default", "shipped") and settings[0][2] == bench.shipped_config(s_q)
-        stages = [(c.num_stages, c.fp8_prefetch) for _, _, c in settings[1:]]
-        assert stages[:6] == [(1, True), (1, True), (2, False), (2, False), (3, False), (3, False)]
-        assert [v for _, v, _ in settings[1:]] == ["f16-ptr", "bf16-ptr"] * 3 + ["f16-tma", "bf16-tma"] * 2 * tma
-        assert all(c.fp8_grouped for _, _, c in settings[1:])
-    for v in ("f16-ptr", "bf16-ptr", "f16-tma", "bf16-tma"):
-        assert bench.VARIANTS[v]["FP8_FP16_DOTS"] == v.startswith("f16")
-        assert bench.VARIANTS[v]["FP8_TMA"] == v.endswith("tma")
+    for grouped in (True, False):
+        cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1,
+                           fp8_grouped=grouped)
+        for q_dtype in (torch.bfloat16, torch.float16, torch.float32):
+            q = case.q.to(q_dtype)
+            out, lse = kernels.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                                          q_lens=case.q_lens, config=cfg)
+            ref = mla_ref.mla_decode(q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+            what = f"grouped={grouped} {q_dtype}"
+            assert_decode_close(out, lse, *ref, tol=TOL_INTERP[q_dtype], what=what)
+            assert seen.pop() == (grouped, grouped and q_dtype == torch.bfloat16), what
 
 
 # --------------------------------------------------------------------------- epilogue branches
@@ -1006,8 +799,7 @@ def test_decode_split_skips_empty_requests(kv, count_stores):
     and nothing else -- no q loads, no loop set-up, no stores: three empty requests between
     two real ones add exactly three loads per row block over the same batch without them."""
     spec = ModelSpec.tiny(num_heads=3)
-    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=1, min_tiles_per_part=1, num_stages=1,
-                       fp8_prefetch=True)
+    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=1, min_tiles_per_part=1, num_stages=1)
     for seq, ql in (([0, 9, 0, 0, 33, 0], [0, 1, 0, 0, 2, 0]), ([9, 33], [1, 2])):
         case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=2, page_size=8, kv_dtype=kv, seed=6)
         out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
@@ -1021,21 +813,3 @@ def test_decode_split_skips_empty_requests(kv, count_stores):
         (with_empty["loads"], without["loads"])
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_decode_split_empty_requests_with_the_gpu_structure(kv, monkeypatch):
-    """On the GPU an empty request's body runs with no tile (``SKIP_EMPTY`` off): its stores
-    are still skipped, so real rows match the reference and empty ones are 0 / -inf, also
-    for pieces cut inside requests (``num_parts=3``)."""
-    import mla_fuzz.kernels.decode_split as ds
-    monkeypatch.setattr(ds, "SKIP_EMPTY_ON_INTERPRETER", False)
-    spec = ModelSpec.tiny(num_heads=3)
-    cfg = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1, num_stages=1)
-    case = make_case(spec, seq_lens=[0, 9, 0, 0, 70, 0], q_lens=[0, 1, 0, 0, 2, 0], s_q=2, page_size=8,
-                     kv_dtype=kv, seed=6)
-    out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                  q_lens=case.q_lens, config=cfg)
-    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
-    assert_decode_close(out, lse, *ref, tol=TOL_INTERP[case.q.dtype], what=f"{kv} without SKIP_EMPTY")
-    empty = case.seq_lens == 0
-    assert torch.equal(out[empty].float(), torch.zeros_like(out[empty].float()))
-    assert bool((lse[empty] == float("-inf")).all())

@@ -76,7 +76,7 @@ def check_plan(seq_lens, num_parts, block_n, min_tiles, info, nsplit, offsets):
         assert not (span & used), "partial rows overlap"
         used |= span
     # balance: live parts differ by at most one tile and hold >= min_tiles when possible --
-    # or >= 2 where the short-batch rule (planner.SHORT_PARTS, min_tiles > 2) took more parts
+    # or >= 2 where the short-batch rule (min_tiles > 2, planner module doc) took more parts
     sizes = {}
     for (b, t), [(p, _)] in covered.items():
         sizes[p] = sizes.get(p, 0) + 1
@@ -88,7 +88,7 @@ def check_plan(seq_lens, num_parts, block_n, min_tiles, info, nsplit, offsets):
         # min(total // 2, num_parts // 2) (planner module doc)
         p0 = total // min_tiles
         busy = sum(t > 0 for t in tiles)
-        if (planner_mod.SHORT_PARTS and min_tiles > 2 and total <= planner_mod.SHORT_TILES * busy
+        if (min_tiles > 2 and total <= planner_mod.SHORT_TILES * busy
                 and min(total // 2, num_parts // 2) > p0):
             p0, least = min(total // 2, num_parts // 2), 2
         else:
@@ -114,18 +114,13 @@ def test_planner_covers_every_tile_once(seq_lens, num_parts, block_n, min_tiles)
     assert (info, nsplit, offsets) == ([list(r) for r in ref[0]], ref[1], ref[2])
 
 
-@pytest.mark.parametrize("short", [True, False])
-def test_short_batch_rule_cuts_parts_of_two_tiles(monkeypatch, short):
+def test_short_batch_rule_cuts_parts_of_two_tiles():
     """h=16 at B=8, L=1k (128 tiles of 64 keys, 132 parts, parts of at least four tiles): 32 parts of
     four leave 100 SMs idle; the short-batch rule cuts 64 parts of two instead. Requests of more
     than SHORT_TILES tiles keep parts of four: B=2, L=4k (also 128 tiles, 64 a request), and B=1,
     L=16k. Empty requests (padding) do not count as requests."""
-    monkeypatch.setattr(planner_mod, "SHORT_PARTS", short)
-    for seq_lens, want_parts, want_tiles in (([1024] * 8, 64 if short else 32, 2 if short else 4),
-                                            ([4096, 4096], 32, 4), ([16384], 64, 4),
-                                            ([1024], 8 if short else 4, 2 if short else 4),
-                                            ([2048] + [0] * 7, 16 if short else 8, 2 if short else 4),
-                                            ([4096] + [0] * 7, 16, 4)):
+    for seq_lens, want_parts, want_tiles in (([1024] * 8, 64, 2), ([4096, 4096], 32, 4), ([16384], 64, 4),
+                                            ([1024], 8, 2), ([2048] + [0] * 7, 16, 2), ([4096] + [0] * 7, 16, 4)):
         info, nsplit, offsets = run_planner(seq_lens, 132, 64, 4)
         check_plan(seq_lens, 132, 64, 4, info, nsplit, offsets)
         assert_matches_reference(seq_lens, 132, 64, 4, (info, nsplit, offsets))
@@ -243,18 +238,18 @@ def test_planner_covers_every_tile_once_gpu():
 @example(seq_lens=[0, 0, 0], num_parts=5, block_n=32, min_tiles=1)
 @example(seq_lens=[300, 0, 5, 64], num_parts=5, block_n=32, min_tiles=1)
 def test_planner_one_program_and_two_agree(seq_lens, num_parts, block_n, min_tiles):
-    """Under the interpreter a one-chunk plan runs as one program doing both roles
-    (``_FUSE_ON_INTERPRETER``); with it off, the two programs of the GPU layout run. Both
-    give plan_reference's plan, for the batch shapes the CPU fuzzer draws."""
+    """Under the interpreter a one-chunk plan runs as one program doing both roles (``FUSED``);
+    launched as on the GPU (the launcher told it is not interpreting), the two programs of the
+    GPU layout run. Both give plan_reference's plan, for the batch shapes the CPU fuzzer draws."""
     got = {}
-    saved = planner_mod._FUSE_ON_INTERPRETER
+    real = planner_mod.interpreting
     try:
         for fuse in (True, False):
-            planner_mod._FUSE_ON_INTERPRETER = fuse
+            planner_mod.interpreting = (lambda: True) if fuse else (lambda: False)
             got[fuse] = run_planner(seq_lens, num_parts, block_n, min_tiles)
             assert_matches_reference(seq_lens, num_parts, block_n, min_tiles, got[fuse])
     finally:
-        planner_mod._FUSE_ON_INTERPRETER = saved
+        planner_mod.interpreting = real
     assert got[True] == got[False]
 
 

@@ -11,7 +11,8 @@ from .layout import NoncontigContextLens, PaddedSlotWrite
 from .padding import NanZeroLen, UninitPaddingAmax
 from .indexer import IndexerTwoDContextLens
 from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail
-from .examples import ExampleItemInForward, ExampleSeqLensFresh, ExampleWorkspaceRealloc
+from .examples import ExampleItemInForward, ExamplePaddedPageMinusOne, ExampleSeqLensFresh, ExampleWorkspaceRealloc
+from .sglang_style import CaptureOwnIndices
 
 ALL = {
     "stale-fp8-metadata": StaleFP8Metadata,
@@ -30,6 +31,9 @@ ALL = {
     "example-seq-lens-fresh": ExampleSeqLensFresh,
     "example-workspace-realloc": ExampleWorkspaceRealloc,
     "example-item-in-forward": ExampleItemInForward,
+    "example-padded-page-minus-one": ExamplePaddedPageMinusOne,
+    # the SGLang-shaped example (examples/sglang_style.py): capture and replay paths diverged
+    "example-capture-own-indices": CaptureOwnIndices,
 }
 
 EXPECTED = {
@@ -50,6 +54,13 @@ EXPECTED = {
     "example-seq-lens-fresh": {"stale-address"},
     "example-workspace-realloc": {"stale-address"},
     "example-item-in-forward": {"host-sync"},
+    "example-capture-own-indices": {"capture-divergence"},
+    "example-padded-page-minus-one": {"out-of-bounds"},
 }
 
-__all__ = ["ALL", "EXPECTED"] + [c.__name__ for c in ALL.values()]
+#: Mutants whose only symptom is an access outside the kernel's tensors: the bounds check of
+#: Triton's CPU interpreter (``harness.memory_guard``) sees it; a GPU run reads memory no
+#: oracle looks at, so ``mla-fuzz mutants --graph cuda`` lists them as not applicable.
+INTERPRETER_ONLY = frozenset({"example-padded-page-minus-one"})
+
+__all__ = ["ALL", "EXPECTED", "INTERPRETER_ONLY"] + [c.__name__ for c in ALL.values()]

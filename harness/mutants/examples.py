@@ -47,3 +47,20 @@ class ExampleItemInForward(TritonDecodeBackend):
 
     def _splits(self, md):
         return self._num_kv_splits(int(md.seq_lens.max().item()))
+
+
+class ExamplePaddedPageMinusOne(TritonDecodeBackend):
+    """Padded rows as SGLang pads them (seq_len 1, so no row is empty) with their block-table
+    rows filled with -1, the "no page" marker slot mappings use: the kernel dereferences page
+    -1, one page before the KV cache. On a GPU that reads whatever lies before the cache's
+    allocation into rows nobody looks at (or, at a mapping boundary, an illegal memory access);
+    on the CPU interpreter, host memory or a segfault."""
+
+    name = "example-padded-page-minus-one"
+
+    def build(self, batch):
+        md = super().build(batch)
+        B = batch.batch_size
+        md.seq_lens[B:].fill_(1)
+        md.block_table[B:].fill_(-1)
+        return md
