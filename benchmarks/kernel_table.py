@@ -13,7 +13,7 @@ one's (separate commands: only shifts beyond a few percent mean anything). ``--w
 replaces the body of each block between ``<!-- kernel-table: PATH -->`` and ``<!-- /kernel-table
 -->`` with the tables of PATH, and of each ``<!-- design-floor: PATH -->`` block with
 ``design_floor.table`` of that run; ``--check FILE.md`` exits 1 when a block is not what its
-json gives (``tests/test_kernel_table.py`` runs it on docs/kernel-performance.md).
+json gives (``tests/kernels/test_kernel_table.py`` runs it on docs/kernel-performance.md).
 
     python benchmarks/kernel_table.py benchmarks/results/h100-2026-11-27-kernel-32.json
     python benchmarks/kernel_table.py --write docs/kernel-performance.md   # the json each marker names

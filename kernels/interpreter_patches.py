@@ -20,7 +20,7 @@ them as a side effect; without them the kernels give the same results, slower. `
 
 ``MLA_FUZZ_PLAIN_INTERPRETER=1`` (before ``install()``) makes ``install()`` patch nothing:
 Triton's interpreter as shipped, to rule the patches out when chasing an odd result, or to run
-on a Triton they are not written for; ``tests/test_interpreter_speedups.py`` runs scenarios both
+on a Triton they are not written for; ``tests/kernels/test_interpreter_speedups.py`` runs scenarios both
 ways and compares every output bit for bit.
 
 Each patch replaces private attributes of ``triton.runtime.interpreter`` and
@@ -172,7 +172,7 @@ def _cache_interpreter_types() -> None:
     type, the builtins of each language package. Anything off the fast path (a non-int
     dim, another rank, an unknown class) goes to Triton's own code, so errors are Triton's.
     Numerics are untouched: the same numpy operations run (or their results are reused),
-    minus identity broadcasts and self-copies, and ``tests/test_interpreter_speedups.py``
+    minus identity broadcasts and self-copies, and ``tests/kernels/test_interpreter_speedups.py``
     checks forwards and a kernel of odd operands bit for bit against the plain interpreter.
     """
     try:

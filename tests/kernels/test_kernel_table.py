@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 DOC = os.path.join(ROOT, "docs", "kernel-performance.md")
 
 

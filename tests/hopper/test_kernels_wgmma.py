@@ -21,7 +21,7 @@ from mla_fuzz.kernels.routes import KERNELS, ROUTES, find_route, resolve, route_
 from mla_fuzz.mla_ref import ModelSpec
 from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, make_case, spy_launches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _KW = dict(rank=512, rope_dim=64, block_m=64, block_n=64, num_warps=8, fp8_group=128)
 _HOPPER = (9, 0)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from mla_fuzz.harness.repro import load_repro
 
-TESTS = str(Path(__file__).resolve().parent)
-ROOT = str(Path(__file__).resolve().parent.parent)
+TESTS = str(Path(__file__).resolve().parent.parent)
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _env() -> dict:

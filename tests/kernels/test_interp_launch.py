@@ -85,7 +85,9 @@ def test_cpu_arguments_are_not_copied_and_are_written_in_place():
     ptr = y.data_ptr()
     with _CountTensorCalls() as mode:
         _affine_kernel[(3,)](x, y, 40, 2.0)
-    copies = [n for n in mode.names if n in ("new_empty", "set_", "copy_", "cpu", "untyped_storage")]
+    # Triton's own launch re-makes each argument with new_empty + set_ and copies it back;
+    # untyped_storage() alone is an accessor (the bounds check reads storage extents with it)
+    copies = [n for n in mode.names if n in ("new_empty", "set_", "copy_", "cpu")]
     assert not copies, f"the fast launch made host copies: {copies}"
     assert y.data_ptr() == ptr
     torch.testing.assert_close(y, _expected(x, 2.0, 2.0), rtol=0, atol=0)

@@ -17,7 +17,7 @@ import torch
 from mla_fuzz.kernels.config import interpreting
 from mla_fuzz.kernels.interpreter_patches import PLAIN_INTERPRETER_ENV
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: interp_outputs.py
 ROOT = os.path.dirname(HERE)
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="checks Triton's interpreter (TRITON_INTERPRET=1)")

@@ -182,7 +182,7 @@ def test_per_tensor_fp8_uses_one_amax_and_stays_within_e4m3_bound(shape, log_mag
     assert x_fp8.dtype == torch.float8_e4m3fn and scale.dim() == 0
     amax = float(x.abs().max())
     assert math.isclose(float(scale), amax / 448.0, rel_tol=2.0 ** -22)
-    # same derivation as the cache's group bound (tests/test_ref_fp8.py), with the tensor as one group
+    # same derivation as the cache's group bound (tests/reference/test_ref_fp8.py), with the tensor as one group
     err = (x_fp8.double() * float(scale) - x).abs()
     assert bool((err <= (2.0 ** -4 + 2.0 ** -20) * x.abs() + (2.0 ** -10 + 2.0 ** -20) * float(scale)).all())
 

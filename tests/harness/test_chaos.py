@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent
 
 
 def _campaign(tmp_path, graph: str, budget: str, workers: str):

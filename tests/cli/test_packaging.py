@@ -6,7 +6,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_has_only_the_mla_fuzz_top_level_name(tmp_path):

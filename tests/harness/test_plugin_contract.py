@@ -19,8 +19,8 @@ from mla_fuzz.harness.repro import replay_repro
 from mla_fuzz.harness.scenario import ScenarioConfig
 from mla_fuzz.mla_ref import ModelSpec
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parent.parent
 
 
 def _cfg(**kw) -> ScenarioConfig:
