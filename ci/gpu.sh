@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 pids=()
 timeout "$T" "$PY" -m pytest -q -m gpu tests/ -n 6 -p no:cacheprovider >"$OUT/gpu-suite.txt" 2>&1 & pids+=($!)
 timeout "$T" "$PY" ci/gpu_validate.py --out "$OUT/gpu-validate.json" --matrix-spec deepseek-v3 \
-    --clean-examples 2000 --clean-big 40 --procs 5 --budget $((T / 2)) >"$OUT/gpu-validate.txt" 2>&1 & pids+=($!)
+    --clean-examples 2000 --clean-big 40 --procs 6 --budget $((T / 3)) >"$OUT/gpu-validate.txt" 2>&1 & pids+=($!)
 for ex in reference_backend:ReferenceBackend triton_decode:TritonDecodeBackend sglang_style:SGLangStyleBackend; do
     name=${ex%%:*}
     timeout "$T" "$PY" -m mla_fuzz.harness.cli run --backend "mla_fuzz.examples.$ex" --graph cuda \

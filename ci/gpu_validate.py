@@ -74,8 +74,17 @@ def main() -> int:
         per = -(-a.clean_examples // a.procs)
         cjobs = [pool.apply_async(_clean_worker, (("tiny", per, 1000 + i, a.budget),)) for i in range(a.procs)]
         big = [pool.apply_async(_clean_worker, (("deepseek-v3", a.clean_big, 77, a.budget),))] if a.clean_big else []
-        result["matrix"] = [j.get() for j in mjobs]
-        result["clean"] = [j.get() for j in cjobs + big]
+        result["matrix"], result["clean"] = [], []
+        for j in mjobs:  # each row as it lands: a run cut short still shows what it measured
+            m = j.get()
+            result["matrix"].append(m)
+            print(f"row {m['mutant']}: caught={m['caught']} examples={m['examples_to_detect']} "
+                  f"seconds={m['seconds_to_detect']} diagnosis={m['diagnosis']} steps={m['shrunk_steps']} "
+                  f"emulated_agrees={m.get('emulated_agrees')}", flush=True)
+        for j in cjobs + big:
+            c = j.get()
+            result["clean"].append(c)
+            print(f"clean {c['spec']} seed {c['seed']}: {c['examples']} examples, failed={c['failed']}", flush=True)
     result["seconds"] = round(time.time() - t0, 1)
     bad = [m["mutant"] for m in result["matrix"] if not (m["caught"] and m["diagnosis_ok"])]
     flagged = [c for c in result["clean"] if c["failed"]]
