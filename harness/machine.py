@@ -88,6 +88,16 @@ class ShrinkTimeUp(BaseException):
     returns the smallest failure seen so far."""
 
 
+def _lost_context(exc: BaseException, step: int) -> None:
+    """Raise ``CudaContextLost`` when ``exc`` (or what it wraps) is a CUDA error: kernels run
+    asynchronously, so an illegal access can surface in a later step's harness code (a cache
+    allocation, a comparison); nothing run in this process after it means anything."""
+    from .blame import chain, first_line
+    links = chain(exc)
+    if is_cuda_error(" | ".join(str(e) for e in links)):
+        raise CudaContextLost(f"step {step}: {first_line(links[-1])}") from None
+
+
 def make_machine(c: Campaign):
     """A state-machine class bound to one campaign."""
     layer_ok = supports_layer(c.backend_cls) and c.caps.layer
@@ -177,6 +187,9 @@ def make_machine(c: Campaign):
                     c.first_failure = failure
                 c.latest_failure = failure
                 raise failure from None
+            except Exception as e:
+                _lost_context(e, len(self.steps) - 1)
+                raise
 
         def _capture(self, data):
             size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
@@ -215,7 +228,11 @@ def make_machine(c: Campaign):
 
         def teardown(self):
             if self.runner is not None:
-                self.runner.close()
+                try:
+                    self.runner.close()
+                except Exception as e:
+                    _lost_context(e, len(self.steps) - 1)
+                    raise
 
     return DecodeMachine
 

@@ -82,3 +82,21 @@ def test_chaos_campaign_on_cpu(tmp_path):
 def test_chaos_campaign_on_a_gpu(tmp_path):
     r, rep, tmp, _ = _campaign(tmp_path, "cuda", "120s", "4")
     _check(r, rep, tmp, {"abort", "hang", "build", "forward", "ima"})
+
+
+def test_a_cuda_error_surfacing_in_harness_code_ends_the_worker():
+    """Kernels run asynchronously: an illegal access made by one step can surface in a later
+    step's harness code (allocating the next scenario's cache). That is a lost context (the
+    worker exits, the campaign records a crash), never an error of the search."""
+    from mla_fuzz.harness.blame import CudaContextLost
+    from mla_fuzz.harness.machine import _lost_context
+
+    try:
+        try:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        except RuntimeError as inner:
+            raise ValueError("while allocating the KV cache") from inner
+    except ValueError as outer:
+        with pytest.raises(CudaContextLost, match="step 3: RuntimeError: CUDA error: an illegal memory access"):
+            _lost_context(outer, 3)
+    _lost_context(ValueError("a shape mismatch"), 3)  # anything else is left to the caller
