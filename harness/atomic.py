@@ -1,6 +1,8 @@
-"""Atomic file writes: a reader (or a process killed mid-write) never sees half a file."""
+"""Atomic file writes (a reader, or a process killed mid-write, never sees half a file) and
+JSON reads that fail as one line."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -25,3 +27,14 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
             pass
         raise
     return p
+
+
+def read_json(path: str | os.PathLike, error: type[Exception]):
+    """The parsed JSON of ``path``; ``error("PATH: why")`` when it is missing or not JSON."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{p}: no such file")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{p}: not valid JSON ({exc})") from None

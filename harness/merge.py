@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from .atomic import read_json
 from .campaign import merge_coverage
 from .render import coverage_parts, table, unsupported_lines
 from .repro import ReproError, load_repro, signature, write_repro
@@ -36,12 +37,7 @@ class MergeError(ValueError):
 
 def load_report(path: str | Path) -> dict:
     p = Path(path)
-    if not p.is_file():
-        raise MergeError(f"{p}: no such file")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MergeError(f"{p}: not valid JSON ({exc})") from None
+    data = read_json(p, MergeError)
     if not isinstance(data, dict) or data.get("format") != REPORT_FORMAT:
         got = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise MergeError(f"{p}: not an mla-fuzz campaign report (expected format {REPORT_FORMAT!r}, got {got!r})")

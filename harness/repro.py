@@ -14,7 +14,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import write_text_atomic
+from .atomic import read_json, write_text_atomic
 from .diagnosis import Diagnosis, diagnose
 from .executor import run_steps
 from .loading import load_backend
@@ -84,14 +84,8 @@ def write_repro(repro: dict, directory: str | os.PathLike) -> Path:
 
 def load_repro(path: str | os.PathLike) -> dict:
     """Parse and validate a repro file; ``ReproError`` says what is wrong."""
-    p = Path(path)
-    if not p.is_file():
-        raise ReproError(f"{p}: no such file")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReproError(f"{p}: not valid JSON ({exc})") from None
-    check_repro(data, str(p))
+    data = read_json(path, ReproError)
+    check_repro(data, str(Path(path)))
     return data
 
 

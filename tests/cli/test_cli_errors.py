@@ -9,22 +9,9 @@ import time
 import pytest
 import torch
 
-from mla_fuzz.harness import cli
 from mla_fuzz.harness.repro import FORMAT
 from mla_fuzz.mla_ref import ModelSpec
-
-
-def _run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err, out + err
-    return code, out, err
-
-
-def _one_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
+from cli_helpers import one_line as _one_line, run_cli as _run
 
 
 def test_unwritable_corpus_is_refused_before_the_campaign(tmp_path, capsys):

@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import json
 
-from mla_fuzz.harness import cli
 from mla_fuzz.harness.mutants import ALL, EXPECTED
 from mla_fuzz.harness.repro import load_repro
+from cli_helpers import run_cli as _run
 
 # Caught at its first capture (an ``.item()`` inside the captured forward): the cheapest
 # mutant to find under the interpreter, so the test measures the command, not the search.
 MUTANT = "item-in-capture"
-
-
-def _run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    return code, out, err
 
 
 def test_mutant_repro_replays_and_clean_backend_passes(tmp_path, capsys):

@@ -7,15 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mla_fuzz.harness import cli
 from mla_fuzz.harness.repro import load_repro
-
-
-def _run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err, err
-    return code, out, err
+from cli_helpers import run_cli as _run
 
 
 def _campaign(tmp_path, capsys, backend, graph, *extra):

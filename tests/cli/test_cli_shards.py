@@ -10,22 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from mla_fuzz.harness import cli
 from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, chunk_seed, shard_chunks
 from mla_fuzz.harness.repro import load_repro
-
-
-def _run(argv, capsys):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err, out + err
-    return code, out, err
-
-
-def _one_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, err
-    return lines[0]
+from cli_helpers import one_line as _one_line, run_cli as _run
 
 
 def _campaign(tmp_path, capsys, name, graph, *extra):
