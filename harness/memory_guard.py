@@ -92,7 +92,8 @@ def _describe(addr: int, itemsize: int, ranges, op: str) -> str:
         where.append(f"{starts[i + 1] - addr} bytes before the start of '{names[i + 1]}'")
     near = "; ".join(where) or "no tensor argument at all"
     return (f"out-of-bounds {op} at address {addr:#x}: outside every tensor passed to this kernel launch "
-            f"({near}); on a GPU the same access reads garbage or faults")
+            f"({near}); on a GPU the same access reads garbage or faults. Mask this access, or check the index "
+            f"that reaches it (a block-table entry, a length, a stride) for this batch")
 
 
 def _check(ptrs: np.ndarray, mask, itemsize: int, op: str) -> None:
@@ -180,6 +181,8 @@ def install_for_interpreter() -> None:
     if not interpreter_patches.installed():
         try:
             interpreter_patches.install()
-        except RuntimeError:
-            pass  # another Triton: the interpreter as shipped, slower, same results
+        except RuntimeError as exc:  # another Triton: the interpreter as shipped, slower, same results
+            import warnings
+            warnings.warn(f"mla-fuzz: Triton's CPU interpreter runs without our speed-ups ({exc})", RuntimeWarning,
+                          stacklevel=2)
     install()

@@ -85,10 +85,13 @@ def test_cpu_arguments_are_not_copied_and_are_written_in_place():
     ptr = y.data_ptr()
     with _CountTensorCalls() as mode:
         _affine_kernel[(3,)](x, y, 40, 2.0)
-    # Triton's own launch re-makes each argument with new_empty + set_ and copies it back;
-    # untyped_storage() alone is an accessor (the bounds check reads storage extents with it)
     copies = [n for n in mode.names if n in ("new_empty", "set_", "copy_", "cpu")]
     assert not copies, f"the fast launch made host copies: {copies}"
+    # Triton's launch also reads each argument's storage; the fuzzer's bounds check
+    # (harness.memory_guard, when this process installed it) reads it once per tensor argument
+    from triton.runtime import interpreter
+    guarded = getattr(interpreter.GridExecutor.__call__, "_mla_fuzz_bounds", False)
+    assert mode.names.count("untyped_storage") == (2 if guarded else 0), mode.names
     assert y.data_ptr() == ptr
     torch.testing.assert_close(y, _expected(x, 2.0, 2.0), rtol=0, atol=0)
 
