@@ -57,6 +57,43 @@ def default_device(mode: str) -> str:
     return "cuda" if mode == "cuda" or (mode == "eager" and torch.cuda.is_available()) else "cpu"
 
 
+class BackendSetupError(ValueError):
+    """The backend cannot be built for the simplest scenario: nothing can be fuzzed (one line,
+    naming the constructor's error and its file:line)."""
+
+
+_BUILT: set = set()
+
+
+def check_backend_builds(backend_cls, spec: ModelSpec, mode: str, device, caps, page_sizes) -> None:
+    """Construct ``backend_cls`` once for the simplest scenario inside its capabilities (the
+    first KV and query dtype it takes, the smallest page size and next_n, capture sizes
+    1, 2, 4); ``BackendSetupError`` when the constructor raises. Every scenario builds a
+    backend first, so a constructor that fails there would otherwise turn the whole budget
+    into one repeated finding. Once per process and setting."""
+    from .executor import ScenarioRunner, StepUnsupported
+    from .oracles import OracleFailure
+    from .scenario import ScenarioConfig
+
+    sizes = [p for p in page_sizes if caps.page_sizes is None or p in caps.page_sizes] or list(caps.page_sizes or (16,))
+    cfg = ScenarioConfig(spec=spec.to_dict(), kv_dtype=caps.kv_dtypes[0], q_dtype=caps.q_dtypes[0],
+                         page_size=min(sizes), next_n=min(caps.next_n))
+    key = (backend_cls, repr(spec), mode, str(device), repr(cfg))
+    if key in _BUILT:
+        return
+    try:
+        ScenarioRunner(backend_cls, cfg, mode, device).close()
+    except StepUnsupported:
+        pass  # declined this configuration: the search draws others and counts it
+    except OracleFailure as f:
+        name = getattr(backend_cls, "__qualname__", str(backend_cls))
+        raise BackendSetupError(
+            f"backend {name} cannot be built: its constructor raised {f.message} for the simplest scenario "
+            f"(kv {cfg.kv_dtype}, q {cfg.q_dtype}, page size {cfg.page_size}, next_n {cfg.next_n}, capture "
+            f"sizes {cfg.capture_sizes}, device {device}); see docs/backends.md#constructor") from None
+    _BUILT.add(key)
+
+
 def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = "auto", examples: int = 100,
          seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
          step_count: int = 6, max_pages: int | None = None, strict_contiguity: bool = False,
@@ -78,6 +115,7 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     device = device or default_device(mode)
     caps, _notes = effective_capabilities(backend_cls, narrow, cpu=str(device).startswith("cpu"))
     big = spec.num_heads > 16
+    check_backend_builds(backend_cls, spec, mode, device, caps, (64,) if big else (4, 16, 64))
     camp = Campaign(backend_cls, spec, mode, device,
                     max_pages=max_pages or (4 if big else 8),
                     page_sizes=(64,) if big else (4, 16, 64), vary_heads=not big,

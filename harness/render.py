@@ -135,6 +135,8 @@ def summary_lines(result) -> list[str]:
         n = sum(f.count for f in result.findings.values())
         lines.append(f"failures: {len(result.findings)} distinct ({n} in all); repros in {o.corpus}")
         lines += table(["class", "oracle", "count", "steps", "found", "repro"], finding_rows(result))
+    elif result.error_kind is not None:
+        lines.append("the campaign could not run (below)")
     else:
         lines.append("no failures found")
     for w in result.warnings:

@@ -144,6 +144,15 @@ class BadConstructor(OpBackend):
         super().__init__(spec, device=device, max_batch=8, capture_sizes=[8], graph_safe=True)
 
 
+class RaisingConstructor(OpBackend):
+    """A constructor that takes the right keywords and raises (a buffer it cannot size)."""
+
+    name = "raising-constructor"
+
+    def __init__(self, spec, **kw):  # noqa: D107
+        raise ValueError(f"workspace for {spec.num_heads} heads does not fit")  # the constructor's own error
+
+
 @torch.library.custom_op("contract_fakes::decode_v", mutates_args=("out", "lse"))
 def _decode_v(q: torch.Tensor, kv: torch.Tensor, v: torch.Tensor, bt: torch.Tensor, sl: torch.Tensor,
               ql: torch.Tensor, spec_id: int, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -157,6 +157,21 @@ def test_constructor_mismatch_is_exit_2_naming_the_signature(tmp_path):
     assert "contract_fakes.py:" in lines[0] and "cannot take" in lines[0]
 
 
+def test_constructor_that_raises_is_exit_2_naming_its_line(tmp_path):
+    r = _run(["run", "--backend", "contract_fakes:RaisingConstructor", "--budget", "20s", "--graph", "emulated",
+              "--corpus", str(tmp_path / "c")], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("[mla-fuzz]")]
+    errors = [ln for ln in lines if "error:" in ln]
+    assert len(errors) == 1, r.stderr
+    line = (TESTS / "contract_fakes.py").read_text().splitlines()
+    where = next(i + 1 for i, ln in enumerate(line) if "the constructor's own error" in ln)
+    assert f"contract_fakes.py:{where}" in errors[0] and "does not fit" in errors[0], errors[0]
+    assert "cannot be built" in errors[0]
+    assert not list((tmp_path / "c").glob("*.json"))  # a set-up error is not a finding
+
+
 def test_narrowing_outside_the_declaration_is_exit_2(tmp_path):
     r = _run(["run", "--backend", "contract_fakes:StridedLse", "--next-n", "2", "--budget", "5s"], tmp_path)
     assert r.returncode == 2 and "next-n 2: the backend supports 1 only" in r.stderr, r.stderr
