@@ -311,6 +311,11 @@ class TritonDecodeBackend:
             workspace=self._workspace_for(pad * batch.next_n, splits), num_kv_splits=splits,
             next_n=batch.next_n, padded_size=pad, num_reqs=B, page_size=batch.page_size)
 
+    def kv_splits(self, metadata: TritonDecodeMetadata) -> list[int]:
+        """Optional, for the fuzzer's coverage only: pieces each real request's keys were cut
+        into (the one host-side split count, for every request)."""
+        return [metadata.num_kv_splits] * metadata.num_reqs
+
     # ------------------------------------------------------------------ device side
 
     def _splits(self, md: TritonDecodeMetadata) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 from .crash_repro import StepReducer, crash_repro
 from .pool import Pool, exit_text
 from .repro import signature, write_repro
-from .scenario import ScenarioConfig, scenario_coverage, step_coverage
+from .scenario import ScenarioConfig, add_note, scenario_coverage, step_coverage
 
 DEFAULT_CHUNK = 100
 # Reductions of a crash found near the end may finish this long after the budget.
@@ -81,6 +81,8 @@ class CampaignOptions:
     # (I, N): run only the chunks k with k % N == I, each seeded as in the unsharded campaign
     # (with ``examples``: the unsharded campaign's chunks covering them; see ``shard_chunks``)
     shard: tuple = (0, 1)
+    # the longest sequence drawn; None: per spec and device (fuzz.default_max_seq_len)
+    max_seq_len: int | None = None
 
 
 @dataclass
@@ -143,7 +145,8 @@ class CampaignResult:
             "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
             "cases_per_s": round(self.rate, 3), "chunks": self.chunks, "restarts": self.restarts,
             "interrupted": self.interrupted, "coverage": self.coverage,
-            "capabilities": self.capabilities, "narrow": o.narrow, "unsupported": dict(self.unsupported),
+            "capabilities": self.capabilities, "narrow": o.narrow, "max_seq_len": o.max_seq_len,
+            "unsupported": dict(self.unsupported),
             "failures_by_class": dict(self.failures),
             "failures": [f.to_dict() for f in self.findings.values()], "errors": self.errors,
             "warnings": self.warnings, "shard": list(o.shard), "chunks_run": sorted(self.chunks_run),
@@ -157,11 +160,10 @@ def shrink_seconds(budget_s: float | None) -> float | None:
 
 
 def merge_coverage(into: dict, cov: dict) -> None:
-    """Add ``cov`` (key -> {value: count}) into ``into``."""
+    """Add ``cov`` (key -> {value: count}) into ``into`` (maxima for ``MAX_KEYS``)."""
     for key, values in (cov or {}).items():
-        dst = into.setdefault(key, {})
         for v, n in values.items():
-            dst[v] = dst.get(v, 0) + int(n)
+            add_note(into, key, v, int(n))
 
 
 def _size(repro: dict) -> tuple:
@@ -195,8 +197,7 @@ class _Live:
 
     def note(self, notes) -> None:
         for key, value in notes:
-            d = self.coverage.setdefault(key, {})
-            d[value] = d.get(value, 0) + 1
+            add_note(self.coverage, key, value)
 
 
 class CampaignRun:
@@ -378,7 +379,8 @@ class CampaignRun:
         return {"op": "fuzz", "id": tid, "backend": opts.backend, "graph": opts.graph, "spec": opts.spec,
                 "examples": n, "seed": seed, "budget_s": self._time_left(), "shrink": True,
                 "shrink_seconds": shrink_seconds(opts.budget_s), "chunk": k, "narrow": opts.narrow,
-                "strict_contiguity": opts.strict_contiguity, "known": sorted(self._known)}
+                "strict_contiguity": opts.strict_contiguity, "known": sorted(self._known),
+                "max_seq_len": opts.max_seq_len}
 
     def _work_left(self) -> bool:
         if self._chunks_left():

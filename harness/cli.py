@@ -61,6 +61,14 @@ def parse_duration(text: str, what: str = "--budget") -> float:
     return total
 
 
+MAX_SEQ_LEN_HELP = ("longest sequence drawn, in tokens (default per spec and device: tiny 512, deepseek-v3 256 "
+                    "on CPU; tiny 4096, deepseek-v3 32768 on a GPU); never above the backend's own max_seq_len")
+
+
+def _max_seq_len(args) -> int | None:
+    return None if args.max_seq_len is None else _positive_int("--max-seq-len", args.max_seq_len)
+
+
 def _positive_int(what: str, text: str) -> int:
     try:
         v = int(text)
@@ -92,6 +100,7 @@ def _build_parser() -> _Parser:
     scope = run.add_argument_group("scope", "narrow what is drawn below what the backend declares "
                                    "(its `capabilities`; docs/backends.md#capabilities)")
     narrowing.add_arguments(scope)
+    scope.add_argument("--max-seq-len", default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
     scope.add_argument("--strict-contiguity", action="store_true",
                        help="flag any non-contiguous tensor a kernel gets, not only views of the metadata")
     lim = run.add_argument_group("limits")
@@ -148,6 +157,7 @@ def _build_parser() -> _Parser:
     mut.add_argument("--spec", default="tiny", choices=SPECS)
     mut.add_argument("--examples", default="100", metavar="N", help="examples per backend (default 100)")
     mut.add_argument("--seed", default="0", metavar="S", help="seed for every row (default 0)")
+    mut.add_argument("--max-seq-len", default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
     mut.add_argument("--only", default=None, metavar="NAMES", help="comma-separated mutant names")
     mut.add_argument("--no-clean", action="store_true", help="skip the clean triton row")
     mut.add_argument("--workers", default="1", metavar="N|auto")
@@ -175,6 +185,7 @@ def _build_parser() -> _Parser:
     ben.add_argument("--warmup", default="30s", metavar="DURATION", help="untimed warm-up per spec and mode "
                      "(default 30s; 0 for none)")
     ben.add_argument("--seed", default="0", metavar="S")
+    ben.add_argument("--max-seq-len", default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
     ben.add_argument("--chunk", default="100", metavar="N", help="examples per fuzz() call (default 100, as run)")
     ben.add_argument("--case-timeout", default=None, metavar="SECONDS")
     ben.add_argument("--mps", action="store_true", help="cuda: workers under private CUDA MPS daemons, one per GPU (see run)")
@@ -336,7 +347,8 @@ def cmd_run(args) -> int:
     opts = CampaignOptions(backend=backend, graph=mode, spec=args.spec, budget_s=budget, examples=examples, seed=seed,
                            corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
                            case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce, mps=args.mps,
-                           narrow=narrow, strict_contiguity=args.strict_contiguity, shard=shard)
+                           narrow=narrow, strict_contiguity=args.strict_contiguity, shard=shard,
+                           max_seq_len=_max_seq_len(args))
     print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {args.spec}, seed {seed}, "
           + ("" if shard[1] == 1 else f"shard {shard[0]}/{shard[1]}, ")
           + f"{len(opts.worker_envs)} worker(s){' under MPS' if args.mps else ''}, "
@@ -482,6 +494,7 @@ def cmd_mutants(args) -> int:
 
     examples = _positive_int("--examples", args.examples)
     seed = _seed(args.seed)
+    max_seq_len = _max_seq_len(args)
     case_timeout = _case_timeout(args.case_timeout)
     workers = _workers(args.workers)
     mode = _resolve_mode(args.graph)
@@ -521,7 +534,7 @@ def cmd_mutants(args) -> int:
 
     t0 = time.monotonic()
     rows = run_matrix(refs, expected, graph=mode, spec=args.spec, examples=examples, seed=seed,
-                      worker_envs=worker_envs(workers, mode), case_timeout=case_timeout,
+                      worker_envs=worker_envs(workers, mode), case_timeout=case_timeout, max_seq_len=max_seq_len,
                       corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row)
     code, reasons = verdict(rows, strict=args.strict)
     _print_lines(table(MATRIX_HEADERS, matrix_rows(rows), indent=""))
@@ -580,7 +593,7 @@ def cmd_bench(args) -> int:
                      cpu_workers=_int_list("--workers", args.workers, allow_auto=True),
                      budget_s=parse_duration(args.budget), warmup_s=warmup, seed=_seed(args.seed),
                      chunk=_positive_int("--chunk", args.chunk), case_timeout=_case_timeout(args.case_timeout),
-                     corpus=args.corpus, mps=args.mps)
+                     corpus=args.corpus, mps=args.mps, max_seq_len=_max_seq_len(args))
     print(f"mla-fuzz bench: backend {plan.backend}, specs {','.join(specs)}, modes {','.join(plan.modes)}, "
           f"{plan.budget_s:g}s per run after a {plan.warmup_s:g}s warm-up", file=sys.stderr, flush=True)
     print(HEADER, flush=True)

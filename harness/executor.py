@@ -112,6 +112,8 @@ class ScenarioRunner:
         self.strict_contiguity = strict_contiguity
         self.capture_build = capture_build
         self.captures: dict[int, Captured] = {}
+        # coverage notes of the steps run so far ((key, value, amount)), drained by the search
+        self._notes: list[tuple] = []
 
     def _new_backend(self):
         cfg = self.cfg
@@ -127,6 +129,24 @@ class ScenarioRunner:
                             page_size=cfg.page_size, max_blocks_per_seq=cfg.max_pages_per_seq,
                             next_n_max=cfg.next_n, num_blocks=self.world.num_blocks,
                             **({"topk_max": cfg.topk, "indexer": self.world.indexer} if cfg.sparse else {}))
+
+    def take_notes(self) -> list[tuple]:
+        """Coverage notes ``(key, value, amount)`` gathered since the last call (how many
+        real rows the backend split, when it says: its optional ``kv_splits``)."""
+        notes, self._notes = self._notes, []
+        return notes
+
+    def _note_splits(self, meta) -> None:
+        """Ask the backend how it split the step just run (``kv_splits(metadata)``: pieces
+        per real row; optional, for coverage only) and note it."""
+        fn = getattr(self.backend, "kv_splits", None)
+        if not callable(fn):
+            return
+        pieces = call_backend(lambda: [int(p) for p in fn(meta)])
+        split = sum(1 for p in pieces if p > 1)
+        self._notes += [("split", "rows", len(pieces)), ("split", "rows split", split)]
+        if split:
+            self._notes.append(("split", "steps split", 1))
 
     def close(self) -> None:
         for cap in self.captures.values():
@@ -290,6 +310,7 @@ class ScenarioRunner:
         if check:
             self._run_oracles("eager", Outcome(batch, q, hidden, positions, meta, before,
                                                self.world.kv_cache.clone(), outs, outs, "eager"))
+            self._note_splits(meta)
 
     def _step_eager(self, step: dict) -> None:
         self._eager_step(step, step.get("pad_to"), bool(step.get("poison")), check=True)
@@ -378,6 +399,7 @@ class ScenarioRunner:
         self.world.kv_cache.copy_(after)
         self._run_oracles("replay", Outcome(batch, q, hidden, positions, meta, before, after, replayed, eager,
                                             f"replay of graph {size}", size))
+        self._note_splits(meta)
 
     # -- the oracles run after a forward, in the order ``oracles.ORACLES`` declares ----------
     def _run_oracles(self, phase: str, o: "Outcome") -> None:

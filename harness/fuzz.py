@@ -57,6 +57,21 @@ def default_device(mode: str) -> str:
     return "cuda" if mode == "cuda" or (mode == "eager" and torch.cuda.is_available()) else "cpu"
 
 
+#: The longest sequence drawn by default, by (spec size, device): long enough on a GPU for
+#: engines' split paths (2 splits from 1k tokens) and FlashMLA-style planners, short on CPU
+#: where the interpreter pays for every key.
+DEFAULT_MAX_SEQ_LEN = {("tiny", "cpu"): 512, ("deepseek-v3", "cpu"): 256,
+                       ("tiny", "cuda"): 4096, ("deepseek-v3", "cuda"): 32768}
+
+
+def default_max_seq_len(spec: ModelSpec | str, device) -> int:
+    """``DEFAULT_MAX_SEQ_LEN`` for ``spec`` (a spec of more than 16 heads counts as DeepSeek-V3
+    size) on ``device`` (a ``torch.device`` or its name; anything but CUDA counts as CPU)."""
+    spec = ModelSpec.from_name(spec) if isinstance(spec, str) else spec
+    size = "deepseek-v3" if spec.num_heads > 16 else "tiny"
+    return DEFAULT_MAX_SEQ_LEN[(size, "cuda" if str(device).startswith("cuda") else "cpu")]
+
+
 class BackendSetupError(ValueError):
     """The backend cannot be built for the simplest scenario: nothing can be fuzzed (one line,
     naming the constructor's error and its file:line)."""
@@ -96,7 +111,7 @@ def check_backend_builds(backend_cls, spec: ModelSpec, mode: str, device, caps, 
 
 def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = "auto", examples: int = 100,
          seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
-         step_count: int = 6, max_pages: int | None = None, strict_contiguity: bool = False,
+         step_count: int = 6, max_seq_len: int | None = None, strict_contiguity: bool = False,
          on_step=None, shrink_seconds: float | None = None, should_stop=None, on_phase=None,
          narrow: dict | None = None, known=()) -> FuzzReport:
     """Search ``backend_ref`` for up to ``examples`` scenarios (or ``budget_s`` seconds).
@@ -104,7 +119,8 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     Returns a ``FuzzReport``; when a failure is found its minimal repro (with diagnosis)
     is in ``report.repro``. Scenarios are drawn inside the backend's capabilities, narrowed
     by ``narrow`` (``Capabilities.narrow`` keywords); failures whose key is in ``known``
-    (``oracles.failure_key``: already reported) do not end the search. Hooks:
+    (``oracles.failure_key``: already reported) do not end the search. Sequences are drawn up
+    to ``max_seq_len`` tokens (default ``default_max_seq_len``). Hooks:
     ``on_step(cfg, steps)`` before each step (and with no steps before each scenario's
     backend is built), ``should_stop()`` polled between scenarios, ``on_phase(name, info)``
     before the diagnosis re-runs (``"diagnose"``).
@@ -117,7 +133,7 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     big = spec.num_heads > 16
     check_backend_builds(backend_cls, spec, mode, device, caps, (64,) if big else (4, 16, 64))
     camp = Campaign(backend_cls, spec, mode, device,
-                    max_pages=max_pages or (4 if big else 8),
+                    max_seq_len=max_seq_len or default_max_seq_len(spec, device),
                     page_sizes=(64,) if big else (4, 16, 64), vary_heads=not big,
                     strict_contiguity=strict_contiguity, on_step=on_step,
                     should_stop=should_stop, caps=caps, known=frozenset(known or ()))
@@ -157,7 +173,7 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
         if on_phase is not None:
             on_phase("diagnose", {"cfg": found.cfg, "steps": found.steps, "failure": found.failure})
         diag = diagnose(backend_cls, found.cfg, found.steps, found.failure, mode, device)
-        search_info = {"seed": seed, "examples": camp.stats["examples"],
+        search_info = {"seed": seed, "examples": camp.stats["examples"], "max_seq_len": camp.max_seq_len,
                        "examples_to_detect": report.examples_to_detect}
         if flaky is not None:
             # not shrunk: Hypothesis could not make it fail again (the steps are as found)

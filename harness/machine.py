@@ -20,9 +20,9 @@ from .blame import CudaContextLost, is_cuda_error
 from .executor import ScenarioRunner, StepUnsupported
 from .loading import supports_layer, supports_sparse
 from .oracles import OracleFailure, failure_key
-from .scenario import ScenarioConfig, scenario_coverage, step_coverage
+from .scenario import ScenarioConfig, add_note, scenario_coverage, spec_family, step_coverage
 from .settle import settle
-from .strategies import batch_draws, configs
+from .strategies import batch_draws, configs, short_bound
 
 
 class FuzzFailure(Exception):
@@ -43,7 +43,8 @@ class Campaign:
     spec: ModelSpec
     graph_mode: str = "auto"
     device: str | None = None
-    max_pages: int = 8
+    # the longest sequence drawn (``harness.strategies.configs``)
+    max_seq_len: int = 512
     page_sizes: tuple = (4, 16, 64)
     vary_heads: bool = True
     strict_contiguity: bool = False
@@ -69,9 +70,8 @@ class Campaign:
     # Polled before each scenario: a true result ends the search like the deadline does.
     should_stop: object = None
 
-    def note(self, key: str, value) -> None:
-        cov = self.stats["coverage"].setdefault(key, {})
-        cov[str(value)] = cov.get(str(value), 0) + 1
+    def note(self, key: str, value, amount: int = 1) -> None:
+        add_note(self.stats["coverage"], key, str(value), amount)
 
     def count(self, table: str, key: str) -> None:
         t = self.stats.setdefault(table, {})
@@ -112,14 +112,16 @@ def make_machine(c: Campaign):
             self._batch_strategies: dict = {}
             self.shrinking = False
 
-        def _batches(self, rows: int):
+        def _batches(self, rows: int, short: bool = False):
             # one strategy object per row bound and scenario: Hypothesis re-validates a
             # fresh strategy object on every draw
-            if rows not in self._batch_strategies:
-                self._batch_strategies[rows] = batch_draws(self.cfg, rows, caps=c.caps)
-            return self._batch_strategies[rows]
+            key = (rows, short)
+            if key not in self._batch_strategies:
+                self._batch_strategies[key] = batch_draws(self.cfg, rows, caps=c.caps,
+                                                          top=short_bound(self.cfg) if short else None)
+            return self._batch_strategies[key]
 
-        @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_pages=c.max_pages,
+        @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_seq_len=c.max_seq_len,
                                 page_sizes=c.page_sizes, sparse_ok=sparse_ok, caps=c.caps), data=st.data())
         def setup(self, cfg, data):
             # Out of budget (or asked to stop): end the search between scenarios — unless a
@@ -133,6 +135,7 @@ def make_machine(c: Campaign):
                                 or (c.should_stop is not None and c.should_stop())):
                 raise BudgetExhausted()
             self.cfg = cfg
+            self.split_seen = False
             key = "shrink_runs" if pending else "examples"
             c.stats[key] = c.stats.get(key, 0) + 1
             self.shrinking = pending
@@ -154,6 +157,12 @@ def make_machine(c: Campaign):
             if c.on_step is not None:
                 c.on_step(self.cfg, self.steps, shrinking=self.shrinking)
             self._guard(lambda: self._apply(step))
+            if not self.shrinking and self.runner is not None:
+                for key, value, amount in self.runner.take_notes():
+                    if (key, value) == ("split", "steps split") and not self.split_seen:
+                        self.split_seen = True  # the scenario's first split step
+                        c.note("split", "scenarios split " + spec_family(self.cfg.spec))
+                    c.note(key, value, amount)
 
         def _apply(self, step: dict) -> None:
             # the backend is built with the scenario's first step, so a constructor that
@@ -193,7 +202,10 @@ def make_machine(c: Campaign):
 
         def _capture(self, data):
             size = data.draw(st.sampled_from(self.cfg.capture_sizes), label="size")
-            batch = data.draw(self._batches(size), label="batch")
+            # half the captures see a short batch, so replays run longer rows than the
+            # capture saw (a plan sized at capture is then too small)
+            short = data.draw(st.booleans(), label="short capture")
+            batch = data.draw(self._batches(size, short), label="batch")
             self._run({"op": "capture", "size": size, "batch": batch,
                        "warmups": data.draw(st.sampled_from((0, 1, 3)), label="warmups"),
                        "share": data.draw(st.booleans(), label="share")})

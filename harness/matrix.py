@@ -32,12 +32,12 @@ def load_mutants() -> tuple[dict, dict]:
 
 def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examples: int, seed: int,
                worker_envs: list[dict], case_timeout: float | None, corpus: Path | None = None,
-               on_row=None) -> list[dict]:
+               on_row=None, max_seq_len: int | None = None) -> list[dict]:
     """Fuzz each backend ref in ``names`` (``mutant:NAME`` or ``triton``); one dict per row in
-    ``names`` order. ``on_row(row, done, total)`` is called as rows finish. On Ctrl-C the
+    ``names`` order (sequences up to ``max_seq_len``; None: per spec and device). ``on_row(row, done, total)`` is called as rows finish. On Ctrl-C the
     rows finished so far are returned (fewer than ``names``)."""
     tasks = [{"op": "fuzz", "id": f"m{i}", "backend": ref, "graph": graph, "spec": spec, "examples": examples,
-              "seed": seed, "budget_s": None, "shrink": True} for i, ref in enumerate(names)]
+              "seed": seed, "budget_s": None, "shrink": True, "max_seq_len": max_seq_len} for i, ref in enumerate(names)]
     rows: dict[str, dict] = {}
     pending = list(tasks)
     with tempfile.TemporaryDirectory(prefix="mla-fuzz-matrix-") as logs:

@@ -59,7 +59,7 @@ class PlainProgress:
         self._last = now
         s = _status(result, live_examples, live_steps)
         cov = dict(coverage_parts(result.coverage))
-        covtxt = " | ".join(f"{k} {cov[k]}" for k in ("next_n", "kv", "MTP", "padding") if k in cov)
+        covtxt = " | ".join(f"{k} {cov[k]}" for k in ("next_n", "kv", "MTP", "padding", "longest", "split") if k in cov)
         print(f"[mla-fuzz] {s['elapsed']:.0f}s{s['budget']} {result.state}: {s['examples']}{s['limit']} cases "
               f"({s['rate']:.2f}/s), {s['steps']} steps, failures: {s['failures']}"
               + (f" | {covtxt}" if covtxt else ""), file=self.stream, flush=True)

@@ -4,7 +4,8 @@
 
 Options: ``--mla-backend`` (default ``triton``), ``--mla-graph`` (default ``auto``),
 ``--mla-examples`` (fuzz examples per test, default 40), ``--mla-spec`` (``tiny``),
-``--mla-corpus`` (where failing scenarios' repro files go). The suite honours the
+``--mla-corpus`` (where failing scenarios' repro files go), ``--mla-max-seq-len`` (longest
+sequence the search draws). The suite honours the
 backend's ``capabilities``: a fixed scenario outside them is skipped with the reason. As
 ``mla-fuzz run`` does, kernels on CPU tensors run under Triton's interpreter, chosen here
 before anything imports them. A bad option is a pytest usage error (one line).
@@ -27,6 +28,8 @@ def pytest_addoption(parser):
                     help="graph mode for the property suite")
     group.addoption("--mla-examples", type=int, default=40, help="fuzz examples per property test")
     group.addoption("--mla-spec", default="tiny", choices=("tiny", "deepseek-v3"), help="model dimensions")
+    group.addoption("--mla-max-seq-len", type=int, default=None, metavar="N",
+                    help="longest sequence the fuzz search draws (default per spec and device, as mla-fuzz run)")
     group.addoption("--mla-corpus", default=None, metavar="DIR",
                     help=f"where repro files of failures go (default $MLA_FUZZ_CORPUS or {_DEFAULT_CORPUS})")
 
@@ -61,6 +64,9 @@ def pytest_configure(config):
         effective_capabilities(load_backend(ref), None, cpu=cpu)
     except ValueError as exc:
         raise pytest.UsageError(f"--mla-backend {ref}: {exc}") from None
+    msl = config.getoption("--mla-max-seq-len")
+    if msl is not None and msl < 1:
+        raise pytest.UsageError(f"--mla-max-seq-len: expected a positive integer, got {msl}")
     corpus = config.getoption("--mla-corpus")
     if corpus is not None:
         try:
@@ -97,6 +103,12 @@ def mla_examples(request) -> int:
 @pytest.fixture(scope="session")
 def mla_spec(request) -> str:
     return request.config.getoption("--mla-spec")
+
+
+@pytest.fixture(scope="session")
+def mla_max_seq_len(request):
+    """``--mla-max-seq-len`` (None: per spec and device)."""
+    return request.config.getoption("--mla-max-seq-len")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ terminal, a CI log and a test; ``harness.progress`` adds rich formatting on a TT
 from __future__ import annotations
 
 # The dimensions the live display and the summary show first, in this order.
-COVERAGE_ORDER = ("next_n", "kv_dtype", "mtp", "padding", "seq_len", "op", "layer", "fp8_out", "page_size", "heads")
+COVERAGE_ORDER = ("next_n", "kv_dtype", "mtp", "padding", "seq_len", "longest", "split", "op", "layer", "fp8_out",
+                  "page_size", "heads", "spec")
 COVERAGE_LABEL = {"kv_dtype": "kv", "mtp": "MTP", "padding": "padding", "seq_len": "seq_len",
                   "op": "ops", "page_size": "page"}
 
@@ -30,6 +31,8 @@ def config_line(cfg: dict) -> str:
     parts = [f"spec {spec_label(cfg.get('spec', {}))}", f"kv {cfg.get('kv_dtype')}", f"q {cfg.get('q_dtype')}",
              f"page {cfg.get('page_size')}", f"next_n {cfg.get('next_n')}",
              f"capture sizes {cfg.get('capture_sizes')}", f"max pages/seq {cfg.get('max_pages_per_seq')}"]
+    if cfg.get("pool_pages") is not None:
+        parts.append(f"pool {cfg['pool_pages']} pages")
     if cfg.get("layer"):
         parts.append("layer" + (" + fp8 out" if cfg.get("fp8_out") else ""))
     parts.append(f"seed {cfg.get('seed')}")
@@ -79,14 +82,32 @@ def scenario_lines(cfg: dict, steps: list[dict], failing: int | None = None, ora
 
 
 def coverage_parts(cov: dict) -> list[tuple[str, str]]:
-    """``[(label, "1:40 2:31 3:12"), ...]`` in ``COVERAGE_ORDER``, then any other keys."""
+    """``[(label, "1:40 2:31 3:12"), ...]`` in ``COVERAGE_ORDER``, then any other keys;
+    ``longest`` as a token count and ``split`` as shares (``split_text``)."""
     keys = [k for k in COVERAGE_ORDER if k in cov] + sorted(k for k in cov if k not in COVERAGE_ORDER)
     out = []
     for k in keys:
         vals = cov[k]
+        if k == "longest":
+            out.append(("longest", f"{next(iter(vals), '0')} tokens"))
+            continue
+        if k == "split":
+            out.append(("split", split_text(vals, cov.get("spec") or {})))
+            continue
         items = sorted(vals.items(), key=lambda kv: (_num(kv[0]), kv[0]))
         out.append((COVERAGE_LABEL.get(k, k), " ".join(f"{v}:{n}" for v, n in items)))
     return out
+
+
+def split_text(split: dict, specs: dict) -> str:
+    """``12% of rows (340/2800), 21 steps; scenarios tiny 80/300`` from the backend's
+    ``kv_splits`` answers (rows split / real rows, steps with a split row, and per spec the
+    scenarios with one)."""
+    rows, done = split.get("rows", 0), split.get("rows split", 0)
+    share = f"{100 * done / rows:.0f}% of rows ({done}/{rows})" if rows else "no rows"
+    parts = [share, f"{split.get('steps split', 0)} steps"]
+    per = [f"{fam} {split.get('scenarios split ' + fam, 0)}/{n}" for fam, n in sorted(specs.items())]
+    return ", ".join(parts) + ("; scenarios " + ", ".join(per) if per else "")
 
 
 def _num(s: str) -> float:

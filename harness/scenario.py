@@ -40,10 +40,22 @@ class ScenarioConfig:
     # sparse only: the backend selects the top-k on the device (its indexer) instead of the
     # engine handing over a ragged selection
     indexer: bool = False
+    # Pages in the KV pool, the null block included. Requests of a step share the pool, as in
+    # an engine, so a long row does not cost ``max_batch`` long rows of memory. ``None``: the
+    # pool of older repro files, sized for every row at full length (their pages replay as
+    # recorded).
+    pool_pages: int | None = None
 
     @property
     def max_batch(self) -> int:
         return max(self.capture_sizes)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the KV pool (page 0 is the null block)."""
+        if self.pool_pages is not None:
+            return self.pool_pages
+        return 1 + self.max_batch * self.max_pages_per_seq + 3
 
     @property
     def max_seq_len(self) -> int:
@@ -72,6 +84,11 @@ class ScenarioConfig:
             raise ValueError(f"config.topk must be a positive int when config.sparse, got {self.topk!r}")
         if self.indexer and not self.sparse:
             raise ValueError("config.indexer needs config.sparse")
+        if self.pool_pages is not None and (not isinstance(self.pool_pages, int) or self.pool_pages < 2):
+            raise ValueError(f"config.pool_pages must be an int >= 2 (the null block and one page), "
+                             f"got {self.pool_pages!r}")
+        if not isinstance(self.max_pages_per_seq, int) or self.max_pages_per_seq < 1:
+            raise ValueError(f"config.max_pages_per_seq must be a positive int, got {self.max_pages_per_seq!r}")
         if self.sparse and self.layer:
             raise ValueError("config.sparse scenarios drive the attention op only (config.layer must be False)")
 
@@ -88,15 +105,42 @@ class ScenarioConfig:
         return cfg
 
 
+#: Coverage keys that hold a maximum, not counts: ``{"longest": {"16384": 1}}`` is the
+#: longest sequence drawn (one entry, whatever was merged into it).
+MAX_KEYS = frozenset({"longest"})
+
+
+def add_note(cov: dict, key: str, value: str, amount: int = 1) -> None:
+    """Add one coverage note to ``cov`` (key -> {value: count}); for ``MAX_KEYS`` the single
+    value kept is the largest seen."""
+    if key in MAX_KEYS:
+        old = next(iter(cov.get(key) or {}), None)
+        if old is None or int(value) > int(old):
+            cov[key] = {value: 1}
+        return
+    d = cov.setdefault(key, {})
+    d[value] = d.get(value, 0) + int(amount)
+
+
+def spec_family(spec: dict) -> str:
+    """``tiny`` (any head count), ``deepseek-v3`` or ``custom``: how coverage names a spec."""
+    from mla_fuzz.mla_ref import ModelSpec
+    s = ModelSpec.from_dict(spec)
+    if s == ModelSpec.deepseek_v3():
+        return "deepseek-v3"
+    return "tiny" if s == ModelSpec.tiny(num_heads=s.num_heads) else "custom"
+
+
 def scenario_coverage(cfg: ScenarioConfig) -> list[tuple[str, str]]:
     """The coverage notes (dimension, value) a new scenario adds."""
     from mla_fuzz.mla_ref import ModelSpec
     notes = [(k, str(getattr(cfg, k))) for k in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size", "sparse")]
-    return notes + [("heads", str(ModelSpec.from_dict(cfg.spec).num_heads))]
+    return notes + [("heads", str(ModelSpec.from_dict(cfg.spec).num_heads)), ("spec", spec_family(cfg.spec))]
 
 
 def step_coverage(cfg: ScenarioConfig, step: dict) -> list[tuple[str, str]]:
-    """The coverage notes a step adds: its op, MTP short decode, padded rows, empty rows."""
+    """The coverage notes a step adds: its op, MTP short decode, padded rows, empty rows, its
+    longest row (``MAX_KEYS``)."""
     b = step["batch"]
     notes = [("op", step["op"])]
     if b.get("max_decode_len", cfg.next_n) < cfg.next_n:
@@ -105,6 +149,8 @@ def step_coverage(cfg: ScenarioConfig, step: dict) -> list[tuple[str, str]]:
         notes.append(("padding", "padded rows"))
     if 0 in b["seq_lens"]:
         notes.append(("seq_len", "0"))
+    if b["seq_lens"]:
+        notes.append(("longest", str(max(b["seq_lens"]))))
     return notes
 
 
@@ -133,6 +179,10 @@ def validate_step(step: dict, cfg: ScenarioConfig) -> None:
                          f"got {mdl!r}")
     if any(s > cfg.max_seq_len for s in batch["seq_lens"]):
         raise ValueError(f"step {step['op']!r}: a seq_len exceeds max_seq_len {cfg.max_seq_len}")
+    pages = sum(-(-s // cfg.page_size) for s in batch["seq_lens"])
+    if pages > cfg.num_blocks - 1:
+        raise ValueError(f"step {step['op']!r}: the batch needs {pages} pages of {cfg.page_size} tokens but the "
+                         f"KV pool has {cfg.num_blocks - 1} (config.pool_pages, the null block apart)")
     size = step.get("size", step.get("pad_to"))
     if step["op"] != "eager" and size not in cfg.capture_sizes:
         raise ValueError(f"step {step['op']!r}: size {size} is not a capture size {cfg.capture_sizes}")

@@ -1,7 +1,9 @@
 """Hypothesis strategies: scenario configurations and batch draws.
 
 Edge values are weighted in on purpose: seq_len 0 and 1, page boundaries (ps-1, ps,
-ps+1), full length; next_n 1-4 with max_decode_len < next_n (the non-contiguous MTP
+ps+1), full length; scenario lengths from 32 tokens up to the campaign's ``max_seq_len``
+(long rows beside short ones in one pool, captures of short batches replayed with long
+ones: where split paths and their frozen plans live); next_n 1-4 with max_decode_len < next_n (the non-contiguous MTP
 view, vLLM #42135); heads not a multiple of the kernel's head block; batches smaller
 than the capture size (padding); FP8 caches and per-tensor FP8 layer output; sparse top-k
 scenarios (ragged selections, topk both below and above the sequence lengths).
@@ -23,15 +25,48 @@ TINY_HEADS = (1, 3, 4, 8, 16)
 # interpreter is slow: the tiny spec keeps topk <= 64); DeepSeek size uses 2048
 TOPK_TINY = (1, 5, 16, 33, 64)
 CAPTURE_POOL = (1, 2, 3, 4, 8)
+# Rows up to this long never compete for the KV pool: a scenario of short rows gets a pool
+# for all of them at full length, a long one a pool of two full-length rows (engines share
+# one pool between requests too).
+SHORT_ROW = 512
+# the shortest scenario length drawn
+MIN_SCENARIO_LEN = 32
+
+
+def pool_for(max_batch: int, max_seq_len: int, page_size: int) -> int:
+    """Pages of a scenario's KV pool (null block included): a token budget of
+    ``max(2 * max_seq_len, max_batch * min(max_seq_len, SHORT_ROW))`` shared by the step's
+    rows, plus one page per row for partly filled last pages, one per row for rows raised to
+    their shortest legal length, the null block and three pages of slack."""
+    tokens = max(2 * max_seq_len, max_batch * min(max_seq_len, SHORT_ROW))
+    return -(-tokens // page_size) + 2 * max_batch + 4
+
+
+def token_budget(cfg: ScenarioConfig) -> int:
+    """Tokens all rows of one step may hold together (``pool_for``'s budget; a legacy config
+    without ``pool_pages`` has room for every row at full length)."""
+    if cfg.pool_pages is None:
+        return cfg.max_batch * cfg.max_seq_len
+    return (cfg.pool_pages - 2 * cfg.max_batch - 4) * cfg.page_size
+
+
+def scenario_lengths(max_seq_len: int) -> tuple:
+    """The scenario lengths drawn: powers of two from ``MIN_SCENARIO_LEN``, then ``max_seq_len``."""
+    out, n = [], MIN_SCENARIO_LEN
+    while n < max_seq_len:
+        out.append(n)
+        n *= 2
+    return tuple(out + [max_seq_len])
 
 
 @st.composite
 def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = True,
-            max_pages: int = 8, page_sizes=(4, 16, 64), sparse_ok: bool = False,
+            max_seq_len: int = 512, page_sizes=(4, 16, 64), sparse_ok: bool = False,
             caps: Capabilities = _ALL) -> ScenarioConfig:
     """A ``ScenarioConfig`` around ``base`` (heads varied for small specs), drawn inside the
-    backend's ``caps``. ``sparse_ok``: the backend takes sparse batches, so a scenario may be
-    sparse (then attention-only)."""
+    backend's ``caps``: sequences up to a drawn length of at most ``max_seq_len`` tokens
+    (``scenario_lengths``), in a KV pool of ``pool_for`` pages. ``sparse_ok``: the backend
+    takes sparse batches, so a scenario may be sparse (then attention-only)."""
     spec = base
     heads = TINY_HEADS if vary_heads and base.num_heads <= 16 else (base.num_heads,)
     if caps.heads is not None:
@@ -48,13 +83,16 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
     if caps.page_sizes is not None:
         page_sizes = tuple(p for p in page_sizes if p in caps.page_sizes) or caps.page_sizes
     page_size = draw(st.sampled_from(page_sizes))
-    pages = max(1, min(max_pages, draw(st.integers(1, max_pages)) * 64 // page_size))
+    top = max_seq_len if caps.max_seq_len is None else min(max_seq_len, caps.max_seq_len)
+    length = draw(_lengths(max(1, top)))
+    pages = max(1, -(-length // page_size))
     if caps.max_seq_len is not None:
         pages = max(1, min(pages, caps.max_seq_len // page_size))
     cfg = ScenarioConfig(
         spec=spec.to_dict(), kv_dtype=kv_dtype, q_dtype=q_dtype, page_size=page_size,
         next_n=draw(st.sampled_from(caps.next_n)), capture_sizes=sizes,
-        max_pages_per_seq=pages, layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)))
+        max_pages_per_seq=pages, layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)),
+        pool_pages=pool_for(max(sizes), pages * page_size, page_size))
     # drawn last, so the draws above keep their meaning for existing repro files and seeds
     if sparse_ok and draw(st.booleans()):
         cfg.sparse, cfg.layer, cfg.fp8_out = True, False, False
@@ -65,9 +103,16 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
 
 
 @functools.lru_cache(maxsize=None)
+def _lengths(top: int) -> st.SearchStrategy:
+    return st.sampled_from(scenario_lengths(top))
+
+
+@functools.lru_cache(maxsize=None)
 def _seq_len_strategy(ps: int, top: int) -> st.SearchStrategy:
     edge = [0, 1, ps - 1, ps, ps + 1, top - 1, top]
-    return st.one_of(st.sampled_from([e for e in edge if 0 <= e <= top]), st.integers(0, top))
+    # short rows beside long ones in one batch, whatever the scenario's length
+    return st.one_of(st.sampled_from([e for e in edge if 0 <= e <= top]), st.integers(0, top),
+                     st.integers(0, min(top, 4 * ps)))
 
 
 # Strategies are immutable: built once per bound and reused, because a fresh strategy
@@ -77,30 +122,41 @@ _int = functools.lru_cache(maxsize=None)(st.integers)
 _SEED = st.integers(0, 2**31 - 1)
 
 
-def seq_len_values(cfg: ScenarioConfig) -> st.SearchStrategy:
-    """A request's seq_len: edges (0, 1, page boundaries, full length) or any in range."""
-    return _seq_len_strategy(cfg.page_size, cfg.max_seq_len)
+def seq_len_values(cfg: ScenarioConfig, top: int | None = None) -> st.SearchStrategy:
+    """A request's seq_len: edges (0, 1, page boundaries, full length), short, or any in
+    range (``top``: a bound below the scenario's ``max_seq_len``)."""
+    return _seq_len_strategy(cfg.page_size, cfg.max_seq_len if top is None else min(top, cfg.max_seq_len))
+
+
+def short_bound(cfg: ScenarioConfig) -> int:
+    """The longest row of a *short* batch (a capture that later replays see longer than):
+    an eighth of the scenario's length, at least one page."""
+    return max(cfg.page_size, cfg.max_seq_len // 8)
 
 
 @st.composite
 def batch_draws(draw, cfg: ScenarioConfig, max_rows: int, min_rows: int = 1, allow_empty_rows: bool = True,
-                caps: Capabilities = _ALL) -> dict:
+                caps: Capabilities = _ALL, top: int | None = None) -> dict:
     """A ``BatchDraw`` (scenario.py) with 1..max_rows requests, inside ``caps``: with
     ``mtp="uniform"`` every real request has ``next_n`` query tokens, with ``"none"`` one;
-    without ``empty_rows`` no real request has seq_len 0."""
+    without ``empty_rows`` no real request has seq_len 0. Rows are at most ``top`` tokens
+    (default: the scenario's length) and share the pool's ``token_budget``: a row drawn
+    longer than what is left is cut to it."""
     B = draw(_int(min_rows, max_rows))
     ragged = caps.mtp == "ragged"
     mdl = draw(_int(1, cfg.next_n)) if ragged else cfg.next_n
     empty_ok = allow_empty_rows and caps.empty_rows
-    lens = seq_len_values(cfg)
+    lens = seq_len_values(cfg, top)
     floor = 1 if ragged else mdl  # shortest sequence that holds the step's query tokens
+    left = token_budget(cfg)
     seq_lens, q_lens = [], []
     for _ in range(B):
-        s = draw(lens)
+        s = min(draw(lens), max(left, 0))
         if s == 0 and not empty_ok:
             s = 1
         if 0 < s < floor:
             s = min(floor, cfg.max_seq_len)
+        left -= s
         q = 0 if s == 0 else (draw(_int(1, min(mdl, s))) if ragged else min(mdl, s))
         seq_lens.append(s)
         q_lens.append(q)

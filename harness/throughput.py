@@ -51,6 +51,8 @@ class BenchPlan:
     corpus: str = ".mla-fuzz/corpus"
     # cuda runs under private MPS daemons, one per GPU (harness.mps): several workers per GPU scale
     mps: bool = False
+    # the longest sequence drawn (None: per spec and device, as ``run``)
+    max_seq_len: int | None = None
 
 
 def visible_gpu_ids() -> list[str]:
@@ -69,7 +71,8 @@ def run_campaign(plan: BenchPlan, spec: str, mode: str, envs: list[dict], budget
 
     opts = CampaignOptions(backend=plan.backend, graph=mode, spec=spec, budget_s=budget_s, examples=None,
                            seed=seed, corpus=Path(plan.corpus), worker_envs=envs, case_timeout=plan.case_timeout,
-                           chunk=plan.chunk, mps=mps_daemons is not None, mps_daemons=mps_daemons)
+                           chunk=plan.chunk, mps=mps_daemons is not None, mps_daemons=mps_daemons,
+                           max_seq_len=plan.max_seq_len)
     res = CampaignRun(opts).run(handle_sigint=False)
     steady = None
     if res.startup_s is not None and res.elapsed > res.startup_s:

@@ -103,7 +103,8 @@ def _fuzz_task(task: dict) -> dict:
                            shrink=bool(task.get("shrink", True)), on_step=on_step, on_phase=on_phase,
                            should_stop=lambda: _STOP, shrink_seconds=task.get("shrink_seconds"),
                            narrow=task.get("narrow") or None, known=task.get("known") or (),
-                           strict_contiguity=bool(task.get("strict_contiguity")))
+                           strict_contiguity=bool(task.get("strict_contiguity")),
+                           max_seq_len=task.get("max_seq_len"))
     return {"report": {
         "backend": report.backend, "graph_mode": report.graph_mode, "seed": report.seed,
         "examples": report.examples, "steps": report.steps, "seconds": report.seconds,

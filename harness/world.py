@@ -32,9 +32,9 @@ class World:
         self.device = torch.device(device)
         self.spec = ModelSpec.from_dict(cfg.spec)
         self.q_dtype = DTYPES[cfg.q_dtype]
-        # Enough pages for the largest batch at full length, plus the null block and
-        # slack so page assignment is a real permutation, not the identity.
-        self.num_blocks = 1 + cfg.max_batch * cfg.max_pages_per_seq + 3
+        # One pool shared by the step's requests (ScenarioConfig.num_blocks), with slack so
+        # page assignment is a real permutation, not the identity.
+        self.num_blocks = cfg.num_blocks
         self.kv_cache = mla_ref.make_kv_cache(
             self.spec, self.num_blocks, cfg.page_size, cfg.kv_dtype, self.device)
         self.clean = self._random_cache(cfg.seed)
@@ -62,12 +62,12 @@ class World:
         page outside ``used_pages`` — the null block included."""
         self.kv_cache.copy_(self.clean)
         if poison:
-            used = used_pages or set()
-            unused = [p for p in range(self.num_blocks) if p not in used]
-            if unused:
-                idx = torch.tensor(unused, device=self.device)
+            unused = torch.ones(self.num_blocks, dtype=torch.bool)
+            if used_pages:
+                unused[torch.tensor(sorted(used_pages), dtype=torch.int64)] = False
+            if bool(unused.any()):
                 raw = self.kv_cache.view(torch.uint8)
-                raw[idx] = POISON_BYTE
+                raw[unused.to(self.device)] = POISON_BYTE
 
     # -- batches -------------------------------------------------------------------------
     def make_batch(self, draw: dict, pad_to: int | None) -> DecodeBatch:

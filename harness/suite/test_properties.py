@@ -116,9 +116,11 @@ def test_layer_step_with_padding(mla_backend_ref, mla_graph_mode, mla_spec, mla_
     _check(mla_backend_ref, mla_graph_mode, cfg, steps, mla_capabilities, mla_corpus)
 
 
-def test_fuzz_search(mla_backend_ref, mla_graph_mode, mla_spec, mla_capabilities, mla_corpus, mla_examples):
+def test_fuzz_search(mla_backend_ref, mla_graph_mode, mla_spec, mla_capabilities, mla_corpus, mla_examples,
+                     mla_max_seq_len):
     """Open-ended search: no oracle fires in ``--mla-examples`` scenarios."""
-    report = fuzz(mla_backend_ref, spec=mla_spec, graph_mode=mla_graph_mode, examples=mla_examples, seed=0)
+    report = fuzz(mla_backend_ref, spec=mla_spec, graph_mode=mla_graph_mode, examples=mla_examples, seed=0,
+                  max_seq_len=mla_max_seq_len)
     if report.failed:
         path = write_repro(report.repro, mla_corpus)
         d = report.repro["diagnosis"]

@@ -104,3 +104,22 @@ def test_counts_add_up_when_a_failure_is_shrunk(tmp_path, capsys):
     assert code == 1
     assert sum(rep["coverage"]["kv_dtype"].values()) == rep["examples"]
     assert sum(rep["coverage"]["op"].values()) == rep["steps"]
+
+
+@pytest.mark.parametrize("cmd", [["run", "--budget", "30s"], ["mutants"], ["bench", "--budget", "5s"]])
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_bad_max_seq_len_is_one_line(cmd, value, tmp_path, capsys):
+    code, _, err = _run(cmd + ["--max-seq-len", value, *(["--corpus", str(tmp_path / "c")] if cmd[0] == "run" else [])],
+                        capsys)
+    assert code == 2 and f"--max-seq-len: expected a positive integer, got {value!r}" in _one_line(err)
+
+
+def test_max_seq_len_reaches_the_search_and_the_report(tmp_path, capsys):
+    report = tmp_path / "r.json"
+    code, _, err = _run(["run", "--examples", "6", "--seed", "2", "--max-seq-len", "1500", "--quiet",
+                         "--backend", "mla_fuzz.examples.reference_backend:ReferenceBackend",
+                         "--corpus", str(tmp_path / "c"), "--json", str(report)], capsys)
+    data = json.loads(report.read_text())
+    assert code == 0, err
+    assert data["max_seq_len"] == 1500
+    assert 512 < int(next(iter(data["coverage"]["longest"]))) <= 1500
