@@ -201,19 +201,20 @@ class ScenarioRunner:
     def _reference(self, batch: DecodeBatch, q, hidden, positions, cache_before: torch.Tensor):
         B, dev = batch.batch_size, self.device
         bt, sl, ql = (batch.block_table.to(dev), batch.seq_lens.to(dev), batch.q_lens.to(dev))
+        scale = {} if batch.k_scale is None else {"k_scale": batch.k_scale}
         if self.layer is not None:
             cache = cache_before.clone()
             return (mla_ref.mla_layer_decode_absorbed(
                 self.world.weights, hidden[:B], positions[:B], cache, bt, sl, batch.slot_mapping.to(dev),
-                spec=self.spec, q_lens=ql, fp8_out=self.cfg.fp8_out),)
+                spec=self.spec, q_lens=ql, fp8_out=self.cfg.fp8_out, **scale),)
         # sparse steps: attention over exactly the selected slots (dense steps unchanged)
         indices = None
         if batch.topk_on_device:
             indices = mla_ref.indexer_topk(self.world.indexer, q[:B], cache_before, bt, sl, ql, batch.topk,
-                                           spec=self.spec).to(dev)
+                                           spec=self.spec, **scale).to(dev)
         elif batch.is_sparse:
             indices = batch.dense_topk().to(dev)
-        return mla_ref.mla_decode(q[:B], cache_before, bt, sl, spec=self.spec, q_lens=ql, indices=indices)
+        return mla_ref.mla_decode(q[:B], cache_before, bt, sl, spec=self.spec, q_lens=ql, indices=indices, **scale)
 
     def _check_reference(self, outs, ref, batch: DecodeBatch, what: str) -> None:
         B = batch.batch_size

@@ -56,6 +56,8 @@ def step_line(i: int, step: dict) -> str:
     parts.append(f"q_lens {b.get('q_lens')}")
     if b.get("max_decode_len") is not None:
         parts.append(f"max_decode_len {b['max_decode_len']}")
+    if b.get("k_scale") is not None:
+        parts.append(f"k_scale {b['k_scale']:g}")
     if step.get("op") == "eager" and step.get("pad_to") is not None:
         parts.append(f"pad_to {step['pad_to']}")
     if step.get("poison"):

@@ -8,7 +8,8 @@ shrunk failure is a pasteable, replayable program (see ``harness.repro``):
 - ``{"op": "capture", "size": S, "batch": BatchDraw}``  build + capture forward at size S
 - ``{"op": "replay", "size": S, "batch": BatchDraw, "poison": bool}``  new batch, replay graph S
 
-``BatchDraw`` = ``{"seed": int, "seq_lens": [int], "q_lens": [int], "max_decode_len": int}``;
+``BatchDraw`` = ``{"seed": int, "seq_lens": [int], "q_lens": [int], "max_decode_len": int}``,
+plus ``"k_scale": float`` in ``fp8_e4m3`` scenarios (the layer's KV scale during the step);
 ``seed`` fixes the page assignment, the query/hidden values and block-table garbage, and in
 sparse scenarios (``config.sparse``) the ragged top-k selection (``World.make_batch``).
 """
@@ -172,6 +173,11 @@ def validate_step(step: dict, cfg: ScenarioConfig) -> None:
         i = over[0]
         raise ValueError(f"step {step['op']!r}: batch.q_lens[{i}] = {batch['q_lens'][i]} exceeds "
                          f"batch.seq_lens[{i}] = {batch['seq_lens'][i]} (a request's query tokens are among its keys)")
+    ks = batch.get("k_scale")
+    if ks is not None and (cfg.kv_dtype != "fp8_e4m3" or isinstance(ks, bool) or not isinstance(ks, (int, float))
+                           or not 0 < ks < float("inf")):
+        raise ValueError(f"step {step['op']!r}: batch.k_scale must be a positive number and only in fp8_e4m3 "
+                         f"scenarios (kv_dtype here {cfg.kv_dtype!r}), got {ks!r}")
     mdl = batch.get("max_decode_len")
     if mdl is not None and (not isinstance(mdl, int) or not 0 <= mdl <= cfg.next_n
                             or any(q_ > mdl for q_ in batch["q_lens"])):

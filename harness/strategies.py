@@ -3,9 +3,10 @@
 Edge values are weighted in on purpose: seq_len 0 and 1, page boundaries (ps-1, ps,
 ps+1), full length; scenario lengths from 32 tokens up to the campaign's ``max_seq_len``
 (long rows beside short ones in one pool, captures of short batches replayed with long
-ones: where split paths and their frozen plans live); next_n 1-4 with max_decode_len < next_n (the non-contiguous MTP
-view, vLLM #42135); heads not a multiple of the kernel's head block; batches smaller
-than the capture size (padding); FP8 caches and per-tensor FP8 layer output; sparse top-k
+ones: where split paths and their frozen plans live); next_n 1-4 with max_decode_len <
+next_n (the non-contiguous MTP view, vLLM #42135); heads not a multiple of the kernel's head block; batches smaller
+than the capture size (padding); both FP8 caches (FlashMLA's token, and e4m3 with a per-layer
+scale that changes between steps) and per-tensor FP8 layer output; sparse top-k
 scenarios (ragged selections, topk both below and above the sequence lengths).
 """
 from __future__ import annotations
@@ -25,12 +26,18 @@ TINY_HEADS = (1, 3, 4, 8, 16)
 # interpreter is slow: the tiny spec keeps topk <= 64); DeepSeek size uses 2048
 TOPK_TINY = (1, 5, 16, 33, 64)
 CAPTURE_POOL = (1, 2, 3, 4, 8)
+FP8_FORMATS = ("fp8", "fp8_e4m3")
+# the fp8_e4m3 layer scale of a step: 1 first (what shrinking goes to), powers of two either
+# side (exact, so a wrong scale is the only difference) and an inexact one
+K_SCALES = (1.0, 0.5, 2.0, 0.125, 4.0, 0.3)
+_K_SCALE = st.sampled_from(K_SCALES)
 # Rows up to this long never compete for the KV pool: a scenario of short rows gets a pool
 # for all of them at full length, a long one a pool of two full-length rows (engines share
 # one pool between requests too).
 SHORT_ROW = 512
-# the shortest scenario length drawn
+# the shortest scenario length drawn, and how many lengths up to the campaign's bound
 MIN_SCENARIO_LEN = 32
+SCENARIO_LENGTHS = 6
 
 
 def pool_for(max_batch: int, max_seq_len: int, page_size: int) -> int:
@@ -51,12 +58,15 @@ def token_budget(cfg: ScenarioConfig) -> int:
 
 
 def scenario_lengths(max_seq_len: int) -> tuple:
-    """The scenario lengths drawn: powers of two from ``MIN_SCENARIO_LEN``, then ``max_seq_len``."""
-    out, n = [], MIN_SCENARIO_LEN
-    while n < max_seq_len:
-        out.append(n)
-        n *= 2
-    return tuple(out + [max_seq_len])
+    """The scenario lengths drawn (each equally often): ``SCENARIO_LENGTHS`` steps spaced
+    geometrically from ``MIN_SCENARIO_LEN`` to ``max_seq_len``, so a long bound adds long
+    scenarios without thinning out the short ones (512: 32, 56, 97, 169, 294, 512; 32768: 32,
+    128, 512, 2048, 8192, 32768)."""
+    if max_seq_len <= MIN_SCENARIO_LEN:
+        return (max_seq_len,)
+    ratio = (max_seq_len / MIN_SCENARIO_LEN) ** (1 / (SCENARIO_LENGTHS - 1))
+    steps = [round(MIN_SCENARIO_LEN * ratio ** i) for i in range(SCENARIO_LENGTHS - 1)]
+    return tuple(sorted(set(steps) | {max_seq_len}))
 
 
 @st.composite
@@ -74,9 +84,10 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
     if heads != (base.num_heads,):
         spec = ModelSpec(**{**base.to_dict(), "num_heads": draw(st.sampled_from(heads))})
     # kv first; a 16-bit cache is read with queries of its own dtype, FP8 with bf16 when allowed
-    kv_choices = [k for k in ("bf16", "fp8", "fp16") if k in caps.kv_dtypes and (k == "fp8" or k in caps.q_dtypes)]
+    kv_choices = [k for k in ("bf16", "fp8", "fp16", "fp8_e4m3")
+                  if k in caps.kv_dtypes and (k in FP8_FORMATS or k in caps.q_dtypes)]
     kv_dtype = draw(st.sampled_from(kv_choices))
-    q_dtype = kv_dtype if kv_dtype != "fp8" else ("bf16" if "bf16" in caps.q_dtypes else "fp16")
+    q_dtype = kv_dtype if kv_dtype not in FP8_FORMATS else ("bf16" if "bf16" in caps.q_dtypes else "fp16")
     sizes = sorted(draw(st.sets(st.sampled_from(CAPTURE_POOL), min_size=1, max_size=3)))
     layer = layer_ok and draw(st.booleans())
     fp8_out = layer and draw(st.booleans())
@@ -160,5 +171,7 @@ def batch_draws(draw, cfg: ScenarioConfig, max_rows: int, min_rows: int = 1, all
         q = 0 if s == 0 else (draw(_int(1, min(mdl, s))) if ragged else min(mdl, s))
         seq_lens.append(s)
         q_lens.append(q)
-    return {"seed": draw(_SEED), "seq_lens": seq_lens, "q_lens": q_lens,
-            "max_decode_len": mdl}
+    out = {"seed": draw(_SEED), "seq_lens": seq_lens, "q_lens": q_lens, "max_decode_len": mdl}
+    if cfg.kv_dtype == "fp8_e4m3":
+        out["k_scale"] = draw(_K_SCALE)
+    return out

@@ -4,6 +4,11 @@ Block 0 of the pool is the *null block* that padded rows point at (as in vLLM); 
 fuzzer may fill it, the pages a step does not use, and padded input rows with NaN
 (``0xFF`` bytes: NaN in bf16, fp16, fp32 and e4m3 alike) so any read of padding shows.
 Every value is drawn from a seeded ``torch.Generator``: same seed, same bytes.
+
+An ``fp8_e4m3`` cache is read as ``e4m3 * k_scale`` with one scale for the layer, which the
+engine owns as a device tensor and writes in place: the world keeps one such tensor
+(``World.k_scale``) and sets it to each step's drawn ``k_scale`` (1.0 when the draw has none)
+before the backend builds, so a graph that froze the capture-time scale reads a stale one.
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ class World:
         self.num_blocks = cfg.num_blocks
         self.kv_cache = mla_ref.make_kv_cache(
             self.spec, self.num_blocks, cfg.page_size, cfg.kv_dtype, self.device)
+        # the engine's per-layer scale tensor (fp8_e4m3 only): one tensor, written in place
+        self.k_scale = (torch.ones(1, dtype=torch.float32, device=self.device)
+                        if cfg.kv_dtype == "fp8_e4m3" else None)
         self.clean = self._random_cache(cfg.seed)
         self.kv_cache.copy_(self.clean)
         self.weights = (mla_ref.MLALayerWeights.random(self.spec, cfg.seed, dtype=self.q_dtype, device=self.device)
@@ -54,6 +62,10 @@ class World:
         if self.cfg.kv_dtype == "fp8":
             packed = mla_ref.quantize_kv_fp8(latent, rope, spec=spec)
             return packed.reshape(self.num_blocks, ps, -1).to(self.device)
+        if self.cfg.kv_dtype == "fp8_e4m3":
+            # stored at scale 1: every step's scale then reads the same bytes as other values
+            rows = mla_ref.quantize_kv_fp8_e4m3(latent, rope, 1.0)
+            return rows.reshape(self.num_blocks, ps, 1, spec.d_qk).to(self.device)
         full = torch.cat([latent, rope], dim=-1).to(DTYPES[self.cfg.kv_dtype])
         return full.reshape(self.num_blocks, ps, 1, spec.d_qk).to(self.device)
 
@@ -90,12 +102,15 @@ class World:
             for i in range(q_lens[b]):
                 pos = seq_lens[b] - q_lens[b] + i
                 slots[b, i] = pages[pos // ps] * ps + pos % ps
-        sparse = {}
+        sparse: dict = {}  # and the fp8_e4m3 scale
+        if self.k_scale is not None:
+            self.k_scale.fill_(float(draw.get("k_scale", 1.0)))
+            sparse["k_scale"] = self.k_scale
         if cfg.sparse and cfg.indexer:
-            sparse = dict(topk=cfg.topk)  # the backend's indexer selects on the device
+            sparse.update(topk=cfg.topk)  # the backend's indexer selects on the device
         elif cfg.sparse:
             flat, indptr = self.topk_selection(draw, seq_lens, q_lens, table)
-            sparse = dict(topk_flat=flat, topk_indptr=indptr, topk=cfg.topk)
+            sparse.update(topk_flat=flat, topk_indptr=indptr, topk=cfg.topk)
         return DecodeBatch(
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             q_lens=torch.tensor(q_lens, dtype=torch.int32),

@@ -22,6 +22,13 @@ pool memory can never reach a batch-wide reduction (vLLM #37442).
 FP8: the scales live inside each cache token (FlashMLA's layout), so there are no FP8
 scale buffers to keep; the FP8 path shares every metadata buffer with bf16.
 
+fp8_e4m3 (per-tensor-scaled float8_e4m3fn, vLLM / SGLang / FlashInfer's layout): the one
+scale is the engine's device tensor ``batch.k_scale``. ``build`` copies it into the persistent
+``k_scale`` buffer (allocated once, like every other one) and the kernels load it from there
+when they run, so a graph captured around ``forward`` decodes with the scale of the latest
+build, never the capture's. Hook: ``_stage_k_scale`` (a snapshot made per build, or a host
+float, is the stale-scale bug).
+
 Small overridable methods, so a bug class is a one-method subclass (``harness/mutants``):
 
 - stale address, fresh metadata each build (vLLM #35175): ``_stage`` (return
@@ -70,7 +77,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mla_fuzz.mla_ref import DecodeBatch, ModelSpec
+from mla_fuzz.mla_ref import Capabilities, DecodeBatch, ModelSpec
+from mla_fuzz.mla_ref.capabilities import ALL_KV_DTYPES
 
 from . import ops
 from .config import DecodeConfig, check_spec_supported
@@ -81,7 +89,14 @@ from .sched import SchedState
 
 __all__ = ["TritonMLABackend", "TritonMLAMetadata", "host_context_lens"]
 
-_KV_TORCH = {"bf16": (torch.bfloat16,), "fp16": (torch.float16,), "fp8": (torch.uint8,)}
+_KV_TORCH = {"bf16": (torch.bfloat16,), "fp16": (torch.float16,), "fp8": (torch.uint8,),
+             "fp8_e4m3": (torch.float8_e4m3fn,)}
+
+
+def _cache_flags(kv_dtype: str) -> dict:
+    """``default_config``'s cache keywords for a kv dtype (``fp8_e4m3`` only when set, so a
+    stand-in ``default_config`` written before that keyword keeps working for the rest)."""
+    return dict(fp8=True) if kv_dtype == "fp8" else dict(fp8_e4m3=True) if kv_dtype == "fp8_e4m3" else dict(fp8=False)
 
 
 @dataclass
@@ -102,6 +117,8 @@ class TritonMLAMetadata:
       ``topk_length`` int32 ``[pad]``, ``topk_starts`` int32 ``[pad*next_n]`` (row offsets into
       the flat index buffer, constant) and ``topk_rows`` int32 ``[pad*next_n]`` (entries each row
       reads, written inside ``forward``)
+    - fp8_e4m3 only (else None): ``k_scale`` fp32 ``[1]``, the cache's per-tensor scale copied
+      from ``batch.k_scale`` at build; the kernels load it when they run
     """
 
     seq_lens: torch.Tensor
@@ -127,6 +144,7 @@ class TritonMLAMetadata:
     topk: int = 0
     topk_on_device: bool = False
     indexer_ctx: Optional[torch.Tensor] = None
+    k_scale: Optional[torch.Tensor] = None
 
     @property
     def sparse(self) -> bool:
@@ -176,6 +194,8 @@ class TritonMLABackend:
     """
 
     name = "triton"
+    #: everything the fuzzer draws, the per-tensor fp8_e4m3 cache included (opt-in: not a default)
+    capabilities = Capabilities(kv_dtypes=ALL_KV_DTYPES)
 
     def __init__(self, spec: ModelSpec, *, device: Union[str, torch.device] = "cuda", max_batch: int,
                  capture_sizes: Sequence[int] = (), graph_safe: bool = True, next_n_max: int = 4,
@@ -207,7 +227,7 @@ class TritonMLABackend:
         self._config = config
         self._configs: dict = {}
         self._max_parts: Optional[int] = None  # set by _alloc_buffers
-        self._sparse_configs = {kv: (config or default_config(spec, 1, self.device, fp8=kv == "fp8", sparse=True))
+        self._sparse_configs = {kv: (config or default_config(spec, 1, self.device, sparse=True, **_cache_flags(kv)))
                                 for kv in _KV_TORCH}
         self._buffers: dict = {}
         self._alloc_buffers()
@@ -235,6 +255,8 @@ class TritonMLABackend:
             "part_info": torch.zeros((max_parts + 1) * 3, **i32),
             "num_splits": torch.zeros(plan_rows, **i32),
             "split_offsets": torch.zeros(plan_rows, **i32),
+            # the fp8_e4m3 scale the kernels read (copied from batch.k_scale at every build)
+            "k_scale": torch.ones(1, dtype=torch.float32, device=dev),
         }
         if self.topk_max:
             rows = mb * nn
@@ -290,7 +312,7 @@ class TritonMLABackend:
             return self._config
         key = (next_n, kv_dtype, batch)
         if key not in self._configs:
-            cfg = default_config(self.spec, next_n, self.device, fp8=kv_dtype == "fp8", batch=batch)
+            cfg = default_config(self.spec, next_n, self.device, batch=batch, **_cache_flags(kv_dtype))
             if self._max_parts is not None and cfg.num_parts > self._max_parts:
                 # the persistent plan buffer was sized at construction (_alloc_buffers)
                 raise RuntimeError(f"default config for next_n={next_n}, {kv_dtype}, batch {batch} has "
@@ -353,6 +375,7 @@ class TritonMLABackend:
                           topk_on_device=batch.topk_on_device,
                           indexer_ctx=self._indexer_context_lens(ctx, pad, width) if batch.topk_on_device else None)
         plan_rows = pad * next_n if batch.is_sparse else pad
+        k_scale = self._stage_k_scale(batch) if batch.kv_dtype == "fp8_e4m3" else None
         return TritonMLAMetadata(
             seq_lens=self._stage("seq_lens", seq),
             block_table=self._stage("block_table", bt),
@@ -363,7 +386,17 @@ class TritonMLABackend:
             num_splits=self._scratch("num_splits", (plan_rows,)),
             split_offsets=self._scratch("split_offsets", (plan_rows,)),
             num_reqs=B, padded_size=pad, next_n=next_n, max_decode_len=width,
-            kv_dtype=batch.kv_dtype, page_size=batch.page_size, config=cfg, **sparse)
+            kv_dtype=batch.kv_dtype, page_size=batch.page_size, config=cfg, k_scale=k_scale, **sparse)
+
+    def _stage_k_scale(self, batch: DecodeBatch) -> torch.Tensor:
+        """``batch.k_scale`` (fp32 ``[1]``, the engine's device tensor) -> the tensor the kernels
+        read: copied into the persistent buffer in graph-safe mode (a device-to-device copy, no
+        host read), so every replay reads the latest build's scale from a fixed address."""
+        if not self.graph_safe:
+            return batch.k_scale.to(self.device, copy=True)
+        dst = self._buffers["k_scale"]
+        dst.copy_(batch.k_scale.reshape(1))
+        return dst
 
     @staticmethod
     def host_topk(batch: DecodeBatch, pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,7 +481,7 @@ class TritonMLABackend:
         ops.decode_split(q, kv_cache, md.block_table, md.seq_lens, md.ctx_lens, md.ctx_width, md.part_info,
                          md.num_splits, md.split_offsets, out, lse, partial_o, partial_lse, spec.softmax_scale,
                          spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group, cfg.block_m, cfg.block_n,
-                         cfg.num_warps, cfg.num_stages, cfg.fp8_grouped, cfg.kernel)
+                         cfg.num_warps, cfg.num_stages, cfg.fp8_grouped, cfg.kernel, k_scale=md.k_scale)
 
     def _combine(self, md: TritonMLAMetadata, out, lse, partial_o, partial_lse) -> None:
         """Merge split rows and write 0 / -inf rows for requests without keys (all padded rows)."""
@@ -474,7 +507,7 @@ class TritonMLABackend:
         ops.decode_sparse(q, kv_cache, md.topk_indices.view(-1), md.topk_starts, md.topk_rows, md.part_info,
                           md.num_splits, md.split_offsets, out, lse_rows, partial_o, partial_lse, spec.softmax_scale,
                           spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group, cfg.block_m, cfg.block_n,
-                          cfg.num_warps, cfg.num_stages)
+                          cfg.num_warps, cfg.num_stages, k_scale=md.k_scale)
 
     def _combine_sparse(self, md: TritonMLAMetadata, out, lse_rows, partial_o, partial_lse) -> None:
         """Merge split rows over the ``[rows, 1, h, rank]`` view; rows without entries get 0 / -inf."""
@@ -495,7 +528,7 @@ class TritonMLABackend:
         w, spec = self.indexer, self.spec
         indexer_topk(q, kv_cache, md.block_table, md.indexer_ctx, md.ctx_width, w.w_q, w.w_k, w.head_w,
                      md.topk_indices.view(md.padded_size, md.next_n, self.topk_max), md.topk,
-                     spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group)
+                     spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group, k_scale=md.k_scale)
 
     def _forward_sparse(self, q, kv_cache, md: TritonMLAMetadata, out) -> tuple[torch.Tensor, torch.Tensor]:
         if md.topk_on_device:
@@ -538,7 +571,8 @@ class TritonMLABackend:
 
     def write_kv(self, kv_cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
                  metadata: TritonMLAMetadata) -> None:
-        """Write this step's latent KV by the metadata's slot mapping (-1 skipped).
+        """Write this step's latent KV by the metadata's slot mapping (-1 skipped); an fp8_e4m3
+        cache quantises with the build's scale (``md.k_scale``).
 
         Args:
             latent: ``[pad, next_n, kv_lora_rank]``; rope: ``[pad, next_n, qk_rope_head_dim]``.
@@ -550,4 +584,13 @@ class TritonMLABackend:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{nm} must be [pad={lead[0]}, next_n={lead[1]}, {w}], got {got}")
         ops.write_kv_cache(kv_cache, latent.reshape(-1, spec.kv_lora_rank), rope.reshape(-1, spec.qk_rope_head_dim),
-                           md.slot_mapping.view(-1), spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group)
+                           md.slot_mapping.view(-1), spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group,
+                           k_scale=md.k_scale)
+
+    def kv_splits(self, metadata: TritonMLAMetadata) -> list[int]:
+        """Pieces the planner cut each real work row into in the step just run (the fuzzer's
+        coverage of the split path and the combine; a host read, never called in a capture):
+        one entry per real request, or per real request's query token in sparse decode."""
+        md = metadata
+        rows = md.num_reqs * (md.next_n if md.sparse else 1)
+        return md.num_splits[:rows].tolist()

@@ -4,8 +4,13 @@ One program per block of up to 16 tokens. ``slot == -1`` (padding) and out-of-ra
 the store is masked, so the cache bytes of such slots are untouched. FP8 caches quantise
 on write into ``mla_ref.fp8``'s token layout with exactly the reference's arithmetic
 (fp32 amax per group, IEEE division, clamp, round-half-even e4m3), so the bytes match.
+fp8_e4m3 caches (``mla_ref.fp8_tensor``) take the same steps with the one per-tensor scale,
+loaded from its device tensor when the kernel runs (a captured write follows the engine's
+in-place scale updates): ``rne(clamp(x / k_scale, +-448))`` over latent and rope, NaN kept NaN.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -18,9 +23,20 @@ __all__ = ["launch_cache_write"]
 
 
 @triton.jit
-def _cache_write_kernel(kv_ptr, lat_ptr, rope_ptr, slot_ptr, T, n_slots,
+def _e4m3_saturated(x):
+    """fp32 -> int32 e4m3fn codes as torch's ``x.clamp(-448, 448).to(float8_e4m3fn)``: saturated
+    (e4m3fn has no infinity), round-half-even, NaN -> 0x7F."""
+    is_nan = x != x
+    # NaN is re-made after the clamp: the GPU's min/max return the non-NaN operand, where
+    # torch's clamp keeps NaN
+    x = tl.minimum(tl.maximum(tl.where(is_nan, 0.0, x), -E4M3_MAX), E4M3_MAX)
+    return tl.where(is_nan, 0x7F, e4m3_code(x))
+
+
+@triton.jit
+def _cache_write_kernel(kv_ptr, lat_ptr, rope_ptr, slot_ptr, kscale_ptr, T, n_slots,
                         RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
-                        TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr, BLOCK_T: tl.constexpr):
+                        TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr, BLOCK_T: tl.constexpr):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = toks < T
     slot = tl.load(slot_ptr + toks, mask=in_range, other=-1)
@@ -50,6 +66,13 @@ def _cache_write_kernel(kv_ptr, lat_ptr, rope_ptr, slot_ptr, T, n_slots,
         tl.store(scale_ptr[:, None] + tl.arange(0, NG)[None, :], scale, mask=ok[:, None])
         rope_out = (base + RANK + 4 * NG).to(tl.pointer_type(tl.bfloat16))
         tl.store(rope_out[:, None] + offs_p[None, :], bf16_rne(rope.to(tl.float32)), mask=ok[:, None])
+    elif E4M3:
+        # kv_ptr is the cache's byte view: codes are built as integers (rounding.e4m3_code)
+        k_scale = tl.load(kscale_ptr)
+        x = tl.math.div_rn(lat.to(tl.float32), k_scale)
+        tl.store(base[:, None] + offs_r[None, :], _e4m3_saturated(x).to(tl.uint8), mask=ok[:, None])
+        x = tl.math.div_rn(rope.to(tl.float32), k_scale)
+        tl.store(base[:, None] + RANK + offs_p[None, :], _e4m3_saturated(x).to(tl.uint8), mask=ok[:, None])
     else:
         out_ty: tl.constexpr = kv_ptr.dtype.element_ty
         if out_ty == tl.bfloat16:
@@ -63,22 +86,27 @@ def _cache_write_kernel(kv_ptr, lat_ptr, rope_ptr, slot_ptr, T, n_slots,
 
 
 def launch_cache_write(kv_cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
-                       slot_mapping: torch.Tensor, *, rank: int, rope_dim: int, group: int) -> None:
+                       slot_mapping: torch.Tensor, *, rank: int, rope_dim: int, group: int,
+                       k_scale: Optional[torch.Tensor] = None) -> None:
     """Launch the cache write (arguments already checked by ``ops.write_kv_cache``).
 
     Args:
-        kv_cache: contiguous floating ``[num_blocks, page_size, 1, rank + rope_dim]`` or
-            uint8 ``[num_blocks, page_size, fp8_bytes_per_token]``.
+        kv_cache: contiguous floating ``[num_blocks, page_size, 1, rank + rope_dim]`` (float8_e4m3fn
+            included) or uint8 ``[num_blocks, page_size, fp8_bytes_per_token]``.
         latent: contiguous ``[T, rank]`` float; rope: contiguous ``[T, rope_dim]`` float.
         slot_mapping: contiguous int64 ``[T]``; -1 = skip.
+        k_scale: fp32 ``[1]`` on the cache's device, for (and only for) a float8_e4m3fn cache.
     """
     T = slot_mapping.shape[0]
     if T == 0:
         return
     fp8 = kv_cache.dtype == torch.uint8
+    e4m3 = kv_cache.dtype == torch.float8_e4m3fn
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     token_stride = kv_cache.shape[-1]
     block_t = min(next_pow2(T), 16)
+    # the e4m3 codes are stored as bytes: the same bits, and no fp8 store to lower
+    dst = kv_cache.view(torch.uint8) if e4m3 else kv_cache
     _cache_write_kernel[(triton.cdiv(T, block_t),)](
-        kv_cache, latent, rope, slot_mapping, T, n_slots, RANK=rank, ROPE=rope_dim, GROUP=group,
-        TOKEN_STRIDE=token_stride, FP8=fp8, BLOCK_T=block_t, num_warps=4)
+        dst, latent, rope, slot_mapping, k_scale if e4m3 else slot_mapping, T, n_slots, RANK=rank, ROPE=rope_dim,
+        GROUP=group, TOKEN_STRIDE=token_stride, FP8=fp8, E4M3=e4m3, BLOCK_T=block_t, num_warps=4)

@@ -94,7 +94,8 @@ def dense_rows(indices: torch.Tensor, q_lens: Optional[torch.Tensor],
 
 def decode_sparse_rows(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, row_start: torch.Tensor,
                        row_len: torch.Tensor, sched: SchedState, out: torch.Tensor, lse: torch.Tensor, *,
-                       spec: ModelSpec, softmax_scale: float, plan: bool = True) -> None:
+                       spec: ModelSpec, softmax_scale: float, plan: bool = True,
+                       k_scale: Optional[torch.Tensor] = None) -> None:
     """Planner (over ``row_len``) -> sparse decode -> combine, writing ``out`` / ``lse``.
 
     Args:
@@ -102,6 +103,7 @@ def decode_sparse_rows(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.T
         sched: plan buffers for ``B*s_q`` rows (``sched.config`` is the launch config).
         out: ``[B, s_q, h, rank]`` q dtype; lse: fp32 ``[B, h, s_q]`` (both written in place).
         plan: launch the planner (``force``) first; False uses the plan already in ``sched``.
+        k_scale: fp32 ``[1]`` on the device, the scale of an fp8_e4m3 cache (only then).
     """
     cfg = sched.config
     B, s_q, h, _ = q.shape
@@ -113,7 +115,7 @@ def decode_sparse_rows(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.T
     ops.decode_sparse(q, kv_cache, indices, row_start, row_len, sched.part_info, sched.num_splits,
                       sched.split_offsets, out, lse_rows, partial_o, partial_lse, softmax_scale, spec.kv_lora_rank,
                       spec.qk_rope_head_dim, spec.fp8_group, cfg.block_m, cfg.block_n, cfg.num_warps,
-                      cfg.num_stages)
+                      cfg.num_stages, k_scale=k_scale)
     ops.combine(partial_o, partial_lse, sched.num_splits, sched.split_offsets,
                 out.view(B * s_q, 1, h, spec.kv_lora_rank), lse_rows.view(B * s_q, h, 1), cfg.combine_block_m,
                 cfg.combine_col_blocks)
@@ -125,13 +127,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                q_lens: Optional[torch.Tensor] = None, sched: Optional[SchedState] = None,
                config: Optional[DecodeConfig] = None,
                out: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,
-               topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               topk_length: Optional[torch.Tensor] = None,
+               k_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention on the paged latent cache (same contract as ``mla_ref.mla_decode``).
 
     Args:
         q: ``[B, s_q, h_q, d_qk]`` bf16/fp16/fp32, contiguous, ``h_q == spec.num_heads``.
-        kv_cache: floating ``[num_blocks, page_size, 1, d_qk]`` or uint8 FP8
-            ``[num_blocks, page_size, spec.fp8_bytes_per_token]``, contiguous.
+        kv_cache: floating ``[num_blocks, page_size, 1, d_qk]`` (bf16/fp16/fp32, or float8_e4m3fn
+            with ``k_scale``) or uint8 FP8 ``[num_blocks, page_size, spec.fp8_bytes_per_token]``,
+            contiguous.
         block_table: int32 ``[B, max_blocks]``; cache_seqlens: int32 ``[B]``.
         softmax_scale: default ``spec.softmax_scale``.
         causal: bottom-right MTP mask (token ``i < q_len`` sees keys ``[0, seq_len - q_len + i]``).
@@ -147,6 +151,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             ``causal``, ``block_table`` and ``cache_seqlens`` are then not used for attention.
             Work is split per (request, token) row; ``sched`` then holds a plan of ``B*s_q`` rows.
         topk_length: int32 ``[B]``: only the first ``topk_length[b]`` entries of request b's rows count.
+        k_scale: an fp8_e4m3 cache's scale, fp32 ``[1]`` on q's device (required for that cache
+            only). The kernels load it when they run, so changing it in place changes the next
+            launch's keys (a captured graph's too).
     Returns:
         ``out [B, s_q, h_q, kv_lora_rank]`` (q dtype) and ``lse [B, h_q, s_q]`` fp32 (natural
         log); tokens with no visible key get exactly 0 and -inf.
@@ -171,7 +178,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             check_tensor("topk_length", topk_length, dtypes=(torch.int32,), shape=(B,), shape_text=f"[B={B}] int32")
         # one row = one (request, token): the row block covers the heads of one token
         config = config or (sched.config if sched is not None and sched.config is not None else
-                            default_config(spec, 1, q.device, fp8=kv_cache.dtype == torch.uint8, sparse=True))
+                            default_config(spec, 1, q.device, fp8=kv_cache.dtype == torch.uint8, sparse=True,
+                                           fp8_e4m3=kv_cache.dtype == torch.float8_e4m3fn))
         if sched is None:
             sched = SchedState(config)
         row_start, row_len = dense_rows(indices, q_lens, topk_length)
@@ -183,11 +191,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         sched.plan(row_len, config=config)
         decode_sparse_rows(q, kv_cache, indices.view(-1), row_start, row_len, sched, out, lse, spec=spec,
                            softmax_scale=spec.softmax_scale if softmax_scale is None else float(softmax_scale),
-                           plan=False)
+                           plan=False, k_scale=k_scale)
         return out, lse
     if config is None:
         config = sched.config if sched is not None and sched.config is not None else \
-            default_config(spec, s_q, q.device, fp8=kv_cache.dtype == torch.uint8, batch=B)
+            default_config(spec, s_q, q.device, fp8=kv_cache.dtype == torch.uint8, batch=B,
+                           fp8_e4m3=kv_cache.dtype == torch.float8_e4m3fn)
     scale = spec.softmax_scale if softmax_scale is None else float(softmax_scale)
     if sched is None:
         sched = SchedState(config)
@@ -202,7 +211,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     ops.decode_split(q, kv_cache, block_table, cache_seqlens, ctx, ctx_width, sched.part_info, sched.num_splits,
                      sched.split_offsets, out, lse, partial_o, partial_lse, scale, spec.kv_lora_rank,
                      spec.qk_rope_head_dim, spec.fp8_group, config.block_m, config.block_n, config.num_warps,
-                     config.num_stages, config.fp8_grouped, config.kernel)
+                     config.num_stages, config.fp8_grouped, config.kernel, k_scale=k_scale)
     ops.combine(partial_o, partial_lse, sched.num_splits, sched.split_offsets, out, lse, config.combine_block_m,
                 config.combine_col_blocks)
     return out, lse

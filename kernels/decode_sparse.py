@@ -16,7 +16,9 @@ row crossed by a cut are merged by the dense path's combine kernel, run on the
 time; all of them share every loaded latent KV tile.
 
 FP8 caches are dequantised in registers as in ``decode_split`` (e4m3 bytes times the
-group's fp32 scale; rope read as bf16).
+group's fp32 scale; rope read as bf16); per-tensor fp8_e4m3 caches (``E4M3``) take the
+16-bit loads, each value converted to fp32 and multiplied by the one scale, loaded from its
+device pointer at every launch.
 
 Stores: an unsplit row writes ``out`` (q dtype) and its lse (natural log) into
 ``lse_rows [rows, h]``; a split row writes fp32 partials (base-2 lse) for the combine.
@@ -25,6 +27,8 @@ with no key tile at all (``row_len == 0``) is skipped by the parts it lies in: i
 ``num_splits`` is 0, so the combine writes its 0 / -inf.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -40,10 +44,10 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr, nsplit_ptr, off_ptr,
-                          out_ptr, lse_ptr, po_ptr, plse_ptr,
+                          out_ptr, lse_ptr, po_ptr, plse_ptr, kscale_ptr,
                           partial_cap, qk_scale, H, N_SLOTS,
                           RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
-                          TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
+                          TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                           PDL: tl.constexpr = False):
     if PDL:  # before any read of the plan (kernels/hopper/pdl.py)
@@ -60,6 +64,8 @@ def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr
     r_end = tl.load(part_ptr + (pid_p + 1) * 3 + 0)
     t_end = tl.load(part_ptr + (pid_p + 1) * 3 + 1)
     r_last = tl.where(t_end > 0, r_end, r_end - 1)
+    if E4M3:  # read at every launch, never baked in: a replayed graph follows the engine's updates
+        k_scale = tl.load(kscale_ptr)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < H
@@ -110,6 +116,9 @@ def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr
                 else:
                     k_lat = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0.0)
                     k_rope = tl.load(kv_row[:, None] + RANK + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
+                    if E4M3:  # e4m3 -> fp32 (exact) times the scale: the reference's fp32 product
+                        k_lat = k_lat.to(tl.float32) * k_scale
+                        k_rope = k_rope.to(tl.float32) * k_scale
                 k_lat = k_lat.to(q_lat.dtype)
                 k_rope = k_rope.to(q_rope.dtype)
                 if DOT_F32:
@@ -151,24 +160,28 @@ def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr
 def launch_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets,
                          out, lse_rows, partial_o, partial_lse, *, softmax_scale: float, rank: int, rope_dim: int,
                          fp8_group: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
-                         dot_f32: bool) -> None:
+                         dot_f32: bool, k_scale: Optional[torch.Tensor] = None) -> None:
     """Launch the sparse decode (arguments checked by ``ops.decode_sparse``).
 
     Shapes (``R = B * s_q`` rows): q ``[B, s_q, h, rank + rope]``; indices int32 ``[N]``;
     row_start / row_len int32 ``[R]``; part_info int32 ``[num_parts + 1, 3]``;
     num_splits / split_offsets int32 ``[R]``; out ``[B, s_q, h, rank]``; lse_rows fp32
-    ``[R, h]``; partial_o fp32 ``[cap, h, rank]``; partial_lse fp32 ``[cap, h]``.
+    ``[R, h]``; partial_o fp32 ``[cap, h, rank]``; partial_lse fp32 ``[cap, h]``; k_scale fp32
+    ``[1]`` for (and only for) a float8_e4m3fn cache.
     """
     h = q.shape[2]
     num_parts = part_info.shape[0] - 1
     fp8 = kv_cache.dtype == torch.uint8
+    e4m3 = kv_cache.dtype == torch.float8_e4m3fn
+    if e4m3 and k_scale is None:
+        raise ValueError("an fp8_e4m3 cache needs k_scale (fp32 [1] on its device)")
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     grid = (num_parts, triton.cdiv(h, block_m))
     pdl = pdl_on(q)
     _decode_sparse_kernel[grid](
         q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets,
-        out, lse_rows, partial_o, partial_lse,
+        out, lse_rows, partial_o, partial_lse, k_scale if e4m3 else lse_rows,
         partial_o.shape[0], float(softmax_scale) * _LOG2E, h, n_slots,
-        RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1], FP8=fp8,
+        RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1], FP8=fp8, E4M3=e4m3,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **launch_options(pdl))

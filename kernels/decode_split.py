@@ -43,6 +43,11 @@ dot whose result reaches another dot all warps along M, so both warpgroups would
 same ``Q K^T``; here P and alpha go through a per-program scratch slot between two barriers and
 the rope dot comes first, so the QK tile is split over the warpgroups.
 
+Per-tensor FP8 caches (fp8_e4m3: float8_e4m3fn ``[nb, page, 1, d_qk]``, ``mla_ref.fp8_tensor``)
+take the 16-bit path's loads and dots (``E4M3``): each loaded key row is converted to fp32 and
+multiplied by the one scale, loaded from its device pointer at the start of every launch (a
+captured graph follows the engine's in-place updates), latent and rope alike.
+
 The page size is a compile-time constant (``PAGE``: a key's page and slot are a shift and a
 mask). Under the interpreter ``tl.dot`` on bf16/fp16 operands is wrong (triton #11584), so
 ``DOT_F32`` upcasts the operands (the same roundings applied first). Only the lines marked "key
@@ -210,9 +215,9 @@ def _fp8_tma_descriptors(kv_cache: torch.Tensor, *, rank: int, rope_dim: int, fp
 @triton.jit
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                          out_ptr, lse_ptr, po_ptr, plse_ptr, codes_desc, scales_desc, rope_desc,
-                         pscr_ptr, ascr_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: tl.constexpr,
+                         pscr_ptr, ascr_ptr, kscale_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: tl.constexpr,
                          RANK: tl.constexpr, ROPE: tl.constexpr,
-                         GROUP: tl.constexpr, TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr,
+                         GROUP: tl.constexpr, TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
                          DOT_PREC: tl.constexpr, GROUPED: tl.constexpr,
                          TWIN: tl.constexpr, K_EVICT: tl.constexpr, USE_TMA: tl.constexpr,
@@ -247,6 +252,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
     # the next part starting at tile 0 of b_end means this part stops before that request
     b_last = tl.where(t_end > 0, b_end, b_end - 1)
     ctx_w = tl.load(ctxw_ptr)
+    if E4M3:  # read at every launch, never baked in: a replayed graph follows the engine's updates
+        k_scale = tl.load(kscale_ptr)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < ROWS
@@ -478,6 +485,11 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
                     #    on every nested jit call, ~10 ms each.)
                     k_lat = tl.load(kv_row[:, None] + offs_r[None, :], mask=kv_ok[:, None], other=0.0)
                     k_rope = tl.load(kv_row[:, None] + RANK + offs_p[None, :], mask=kv_ok[:, None], other=0.0)
+                    if E4M3:
+                        # per-tensor FP8 (fp8_e4m3): e4m3 -> fp32 (exact) times the one scale, the
+                        # reference's fp32 product; then the 16-bit path's roundings
+                        k_lat = k_lat.to(tl.float32) * k_scale
+                        k_rope = k_rope.to(tl.float32) * k_scale
                     k_lat = k_lat.to(q_lat.dtype)
                     s = tl.dot(q_lat, tl.trans(k_lat), input_precision=DOT_PREC)
                 if not P_MEM:
@@ -572,7 +584,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part
 def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                         split_offsets, out, lse, partial_o, partial_lse, *, softmax_scale: float, rank: int,
                         rope_dim: int, fp8_group: int, block_m: int, block_n: int, num_warps: int,
-                        num_stages: int, dot_f32: bool, fp8_grouped: bool = True) -> None:
+                        num_stages: int, dot_f32: bool, fp8_grouped: bool = True,
+                        k_scale: Optional[torch.Tensor] = None) -> None:
     """Launch this kernel (arguments checked by ``ops.decode_split``; ``routes.launch_decode``
     calls it for the launches no Hopper kernel takes).
 
@@ -587,11 +600,16 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
     by pointer loads, twice on the grouped path when pipelined (twin loads); where
     ``fp8_p_via_memory`` holds the launcher allocates the scratch slots P and alpha go through.
     ``dot_f32`` (the interpreter, fp32 queries): fp32 dot operands, the same roundings.
+    An fp8_e4m3 cache (float8_e4m3fn ``[nb, page, 1, d_qk]``) takes the 16-bit path with
+    ``k_scale`` (fp32 ``[1]``) loaded in the kernel.
     """
     B, s_q, h, _ = q.shape
     num_parts = part_info.shape[0] - 1
     m_blocks = triton.cdiv(s_q * h, block_m)
     fp8 = kv_cache.dtype == torch.uint8
+    e4m3 = kv_cache.dtype == torch.float8_e4m3fn
+    if e4m3 and k_scale is None:
+        raise ValueError("an fp8_e4m3 cache needs k_scale (fp32 [1] on its device)")
     grouped = fp8 and bool(fp8_grouped) and fp8_grouped_dots(rank, fp8_group, block_m)
     tma = fp8_tma_plan(kv_cache, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m,
                        block_n=block_n, num_stages=num_stages) if fp8 else None
@@ -619,10 +637,10 @@ def launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_w
         pscr = ascr = lse  # placeholders: never read
     _decode_split_kernel[grid](
         q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
-        out, lse, partial_o, partial_lse, *descs, pscr, ascr,
+        out, lse, partial_o, partial_lse, *descs, pscr, ascr, k_scale if e4m3 else lse,
         block_table.shape[1], partial_o.shape[0], float(softmax_scale) * _LOG2E, s_q, h, PAGE=page,
         RANK=rank, ROPE=rope_dim, GROUP=fp8_group, TOKEN_STRIDE=kv_cache.shape[-1],
-        FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32,
+        FP8=fp8, E4M3=e4m3, BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=dot_f32,
         # None: Triton's default precision (only fp32 operands care, and those come with DOT_F32)
         DOT_PREC="ieee" if dot_f32 else None,
         GROUPED=grouped, TWIN=twin, K_EVICT="evict_last" if twin else "",

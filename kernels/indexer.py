@@ -14,6 +14,8 @@ non-contiguous ``[:B, :max_decode_len]`` view of a 2-D ``[max_seqs, next_n]`` bu
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mla_fuzz.mla_ref.fp8 import dequantize_kv_fp8
@@ -27,11 +29,20 @@ _F32 = (torch.float32,)
 _I32 = (torch.int32,)
 
 
-def _check(q, kv_cache, block_table, ctx_lens, ctx_width, w_q, w_k, head_w, out_indices, topk, rank, rope_dim, fp8_group):
+def _check(q, kv_cache, block_table, ctx_lens, ctx_width, w_q, w_k, head_w, out_indices, topk, rank, rope_dim, fp8_group,
+           k_scale=None):
     check_tensor("q", q, dtypes=(torch.bfloat16, torch.float16, torch.float32), shape=(None, None, None, rank + rope_dim),
                  shape_text=f"[B, s_q, h, d_qk={rank + rope_dim}]")
     B, s_q, h, d = q.shape
-    if kv_cache.dtype == torch.uint8:
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        check_tensor("kv_cache", kv_cache, dtypes=(torch.float8_e4m3fn,), shape=(None, None, 1, d),
+                     shape_text=f"[num_blocks, page_size, 1, d_qk={d}] (fp8_e4m3)")
+        if k_scale is None:
+            raise ValueError("k_scale is required for an fp8_e4m3 kv_cache (float8_e4m3fn): an fp32 [1] tensor")
+        check_tensor("k_scale", k_scale, dtypes=_F32, shape=(1,), shape_text="[1] fp32 (the cache's scale)")
+    elif k_scale is not None:
+        raise ValueError(f"k_scale is only for an fp8_e4m3 (float8_e4m3fn) kv_cache, got a {kv_cache.dtype} cache")
+    elif kv_cache.dtype == torch.uint8:
         nbytes = rank + 4 * (rank // fp8_group) + 2 * rope_dim
         check_tensor("kv_cache", kv_cache, dtypes=(torch.uint8,), shape=(None, None, nbytes),
                      shape_text=f"[num_blocks, page_size, {nbytes}] (FP8)")
@@ -54,13 +65,13 @@ def _check(q, kv_cache, block_table, ctx_lens, ctx_width, w_q, w_k, head_w, out_
     if not 1 <= topk <= out_indices.shape[2]:
         raise ValueError(f"topk must be in [1, out_indices width {out_indices.shape[2]}], got {topk}")
     check_device(q.device, kv_cache=kv_cache, block_table=block_table, ctx_lens=ctx_lens, ctx_width=ctx_width, w_q=w_q, w_k=w_k,
-                 head_w=head_w, out_indices=out_indices)
+                 head_w=head_w, out_indices=out_indices, k_scale=k_scale)
 
 
 @torch.library.custom_op("mla_fuzz::indexer_topk", mutates_args=("out_indices",))
 def indexer_topk(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, ctx_lens: torch.Tensor,
                  ctx_width: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, head_w: torch.Tensor, out_indices: torch.Tensor, topk: int,
-                 rank: int, rope_dim: int, fp8_group: int) -> None:
+                 rank: int, rope_dim: int, fp8_group: int, k_scale: Optional[torch.Tensor] = None) -> None:
     """Write each query token's top-``topk`` cache slots into ``out_indices [B, s_q, W]``
     (int32; ``-1`` past the picks and in columns ``>= topk``).
 
@@ -68,10 +79,12 @@ def indexer_topk(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     (keys visible to token i, 0 = padding), a view at the start of a buffer of ``>= B*s_q``
     values laid out with row stride ``W = ctx_width[0]`` (int32 ``[1]``, on the device, as
     for the decode kernel; tokens ``>= W`` are padding); weights as
-    ``mla_ref.IndexerWeights`` (fp32). All contiguous.
+    ``mla_ref.IndexerWeights`` (fp32). All contiguous. An fp8_e4m3 cache (float8_e4m3fn
+    ``[nb, page, 1, d_qk]``) takes ``k_scale`` (fp32 ``[1]``, read on the device): keys are
+    ``e4m3 * k_scale`` in fp64, as the reference's.
     """
     _check(q, kv_cache, block_table, ctx_lens, ctx_width, w_q, w_k, head_w, out_indices, topk, rank, rope_dim,
-           fp8_group)
+           fp8_group, k_scale)
     B, s_q = q.shape[:2]
     if B == 0 or s_q == 0:
         return
@@ -85,6 +98,9 @@ def indexer_topk(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         from mla_fuzz.mla_ref import ModelSpec
         spec = ModelSpec(kv_lora_rank=rank, qk_rope_head_dim=rope_dim, fp8_group=fp8_group)
         keys = dequantize_kv_fp8(rows, spec=spec, dtype=torch.float64)
+    elif kv_cache.dtype == torch.float8_e4m3fn:
+        # a device-side product (no host read of the scale): capturable like the rest
+        keys = rows.to(torch.float64) * k_scale.to(torch.float64)
     else:
         keys = rows.to(torch.float64)
     k_idx = (keys @ w_k.to(torch.float64)).reshape(B, P, -1)                                   # [B, P, dim]
@@ -106,5 +122,6 @@ def indexer_topk(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
 
 @indexer_topk.register_fake
 def _indexer_topk_fake(q, kv_cache, block_table, ctx_lens, ctx_width, w_q, w_k, head_w, out_indices, topk, rank,
-                       rope_dim, fp8_group) -> None:
-    _check(q, kv_cache, block_table, ctx_lens, ctx_width, w_q, w_k, head_w, out_indices, topk, rank, rope_dim, fp8_group)
+                       rope_dim, fp8_group, k_scale=None) -> None:
+    _check(q, kv_cache, block_table, ctx_lens, ctx_width, w_q, w_k, head_w, out_indices, topk, rank, rope_dim, fp8_group,
+           k_scale)

@@ -8,8 +8,16 @@ the argument. The fake impls run the same checks and touch no data.
 
 All ops return nothing: results go into caller-provided buffers, as in a graph-captured
 engine where outputs live in persistent or pool memory.
+
+Cache layouts: floating ``[nb, page, 1, d_qk]`` (bf16/fp16/fp32), FlashMLA's FP8 uint8
+``[nb, page, fp8_bytes]`` and the per-tensor fp8_e4m3 float8_e4m3fn ``[nb, page, 1, d_qk]``.
+The ops reading or writing an fp8_e4m3 cache take its scale as ``k_scale``, an fp32 ``[1]``
+tensor on the cache's device that the kernels load when they run (so a captured graph
+follows in-place updates of it); it is refused for the other layouts.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -33,10 +41,19 @@ def _fp8_bytes(rank: int, rope_dim: int, fp8_group: int) -> int:
     return rank + 4 * (rank // fp8_group) + 2 * rope_dim
 
 
-def _check_cache(kv_cache: torch.Tensor, rank: int, rope_dim: int, fp8_group: int) -> None:
+def _check_cache(kv_cache: torch.Tensor, rank: int, rope_dim: int, fp8_group: int, k_scale=None) -> None:
     if not isinstance(kv_cache, torch.Tensor):
         raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
-    if kv_cache.dtype == torch.uint8:
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        check_tensor("kv_cache", kv_cache, dtypes=(torch.float8_e4m3fn,), shape=(None, None, 1, rank + rope_dim),
+                     shape_text=f"[num_blocks, page_size, 1, d_qk={rank + rope_dim}] (fp8_e4m3)")
+        if k_scale is None:
+            raise ValueError("k_scale is required for an fp8_e4m3 kv_cache (float8_e4m3fn): an fp32 [1] tensor on "
+                             "the cache's device")
+        check_tensor("k_scale", k_scale, dtypes=_F32, shape=(1,), shape_text="[1] fp32 (the cache's scale)")
+    elif k_scale is not None:
+        raise ValueError(f"k_scale is only for an fp8_e4m3 (float8_e4m3fn) kv_cache, got a {kv_cache.dtype} cache")
+    elif kv_cache.dtype == torch.uint8:
         nbytes = _fp8_bytes(rank, rope_dim, fp8_group)
         check_tensor("kv_cache", kv_cache, dtypes=(torch.uint8,), shape=(None, None, nbytes),
                      shape_text=f"[num_blocks, page_size, fp8_bytes_per_token={nbytes}] (FP8)")
@@ -49,28 +66,30 @@ def _check_cache(kv_cache: torch.Tensor, rank: int, rope_dim: int, fp8_group: in
 
 # --------------------------------------------------------------------------- cache write
 
-def _check_write(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group):
-    _check_cache(kv_cache, rank, rope_dim, fp8_group)
+def _check_write(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group, k_scale=None):
+    _check_cache(kv_cache, rank, rope_dim, fp8_group, k_scale)
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(None,), shape_text="[T] int64")
     T = slot_mapping.shape[0]
     check_tensor("latent", latent, dtypes=_FLOAT, shape=(T, rank), shape_text=f"[T={T}, kv_lora_rank={rank}]")
     check_tensor("rope", rope, dtypes=_FLOAT, shape=(T, rope_dim), shape_text=f"[T={T}, rope={rope_dim}]")
-    check_device(kv_cache.device, latent=latent, rope=rope, slot_mapping=slot_mapping)
+    check_device(kv_cache.device, latent=latent, rope=rope, slot_mapping=slot_mapping, k_scale=k_scale)
 
 
 @torch.library.custom_op("mla_fuzz::write_kv_cache", mutates_args=("kv_cache",))
 def write_kv_cache(kv_cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor,
-                   rank: int, rope_dim: int, fp8_group: int) -> None:
+                   rank: int, rope_dim: int, fp8_group: int, k_scale: Optional[torch.Tensor] = None) -> None:
     """Write ``latent [T, rank]`` + ``rope [T, rope_dim]`` rows at ``slot_mapping`` (int64 ``[T]``,
-    -1 = skip) into ``kv_cache`` (floating ``[nb, page, 1, d_qk]`` or FP8 uint8
-    ``[nb, page, fp8_bytes]``, quantised on write). All contiguous."""
-    _check_write(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group)
-    launch_cache_write(kv_cache, latent, rope, slot_mapping, rank=rank, rope_dim=rope_dim, group=fp8_group)
+    -1 = skip) into ``kv_cache`` (floating ``[nb, page, 1, d_qk]``, FP8 uint8 ``[nb, page, fp8_bytes]``
+    or fp8_e4m3 ``[nb, page, 1, d_qk]``, the FP8 ones quantised on write; fp8_e4m3 with
+    ``k_scale`` fp32 ``[1]``, saturating at +-448). All contiguous."""
+    _check_write(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group, k_scale)
+    launch_cache_write(kv_cache, latent, rope, slot_mapping, rank=rank, rope_dim=rope_dim, group=fp8_group,
+                       k_scale=k_scale)
 
 
 @write_kv_cache.register_fake
-def _write_kv_cache_fake(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group) -> None:
-    _check_write(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group)
+def _write_kv_cache_fake(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group, k_scale=None) -> None:
+    _check_write(kv_cache, latent, rope, slot_mapping, rank, rope_dim, fp8_group, k_scale)
 
 
 # --------------------------------------------------------------------------- planner
@@ -115,14 +134,15 @@ def _plan_fake(cache_seqlens, part_info, num_splits, split_offsets, block_n, min
 # --------------------------------------------------------------------------- decode
 
 def _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel="triton"):
+                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel="triton",
+                  k_scale=None):
     if kernel not in KERNEL_NAMES:
         raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {kernel!r}")
     check_tensor("q", q, dtypes=_Q, shape=(None, None, None, rank + rope_dim),
                  shape_text=f"[B, s_q, h_q, d_qk={rank + rope_dim}]")
     B, s_q, h, _ = q.shape
     rows = s_q * h
-    _check_cache(kv_cache, rank, rope_dim, fp8_group)
+    _check_cache(kv_cache, rank, rope_dim, fp8_group, k_scale)
     check_tensor("block_table", block_table, dtypes=_I32, shape=(B, None), shape_text=f"[B={B}, max_blocks] int32")
     check_tensor("cache_seqlens", cache_seqlens, dtypes=_I32, shape=(B,), shape_text=f"[B={B}] int32")
     check_tensor("ctx_lens", ctx_lens, dtypes=_I32, shape=(B, None), shape_text=f"[B={B}, max_decode_len] int32")
@@ -138,7 +158,8 @@ def _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, 
                  shape_text=f"[capacity={partial_o.shape[0]}, s_q*h={rows}] fp32")
     check_device(q.device, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                  ctx_lens=ctx_lens, ctx_width=ctx_width, part_info=part_info, num_splits=num_splits,
-                 split_offsets=split_offsets, out=out, lse=lse, partial_o=partial_o, partial_lse=partial_lse)
+                 split_offsets=split_offsets, out=out, lse=lse, partial_o=partial_o, partial_lse=partial_lse,
+                 k_scale=k_scale)
 
 
 @torch.library.custom_op("mla_fuzz::decode_split",
@@ -148,7 +169,7 @@ def decode_split(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                  split_offsets: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, partial_o: torch.Tensor,
                  partial_lse: torch.Tensor, softmax_scale: float, rank: int, rope_dim: int, fp8_group: int,
                  block_m: int, block_n: int, num_warps: int, num_stages: int,
-                 fp8_grouped: bool = True, kernel: str = "triton") -> None:
+                 fp8_grouped: bool = True, kernel: str = "triton", k_scale: Optional[torch.Tensor] = None) -> None:
     """Split-KV decode over the plan in ``part_info`` / ``num_splits`` / ``split_offsets``,
     on the kernel ``routes.resolve`` picks from ``kernel`` (``DecodeConfig.kernel``).
 
@@ -157,34 +178,37 @@ def decode_split(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     kernel reads the width W from ``ctx_width`` int32 ``[1]`` on the device so a captured
     graph follows the current step's max_decode_len). Writes ``out`` / ``lse`` rows of
     unsplit requests and the fp32 partials of split ones; ``combine`` finishes the rest.
+    An fp8_e4m3 cache needs ``k_scale`` (fp32 ``[1]``, loaded by the kernel: keys are
+    ``e4m3 * k_scale``) and always runs on the portable Triton kernel (``routes.resolve``).
     """
     _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel)
+                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel, k_scale)
     if q.shape[0] == 0:
         return
     launch_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
                   out, lse, partial_o, partial_lse, softmax_scale=softmax_scale, rank=rank, rope_dim=rope_dim,
                   fp8_group=fp8_group, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                  num_stages=num_stages, fp8_grouped=fp8_grouped, kernel=kernel)
+                  num_stages=num_stages, fp8_grouped=fp8_grouped, kernel=kernel, k_scale=k_scale)
 
 
 @decode_split.register_fake
 def _decode_split_fake(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                        split_offsets, out, lse, partial_o, partial_lse, softmax_scale, rank, rope_dim, fp8_group,
-                       block_m, block_n, num_warps, num_stages, fp8_grouped=True, kernel="triton") -> None:
+                       block_m, block_n, num_warps, num_stages, fp8_grouped=True, kernel="triton",
+                       k_scale=None) -> None:
     _check_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
-                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel)
+                  split_offsets, out, lse, partial_o, partial_lse, rank, rope_dim, fp8_group, kernel, k_scale)
 
 
 # --------------------------------------------------------------------------- sparse decode
 
 def _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
-                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group):
+                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group, k_scale=None):
     check_tensor("q", q, dtypes=_Q, shape=(None, None, None, rank + rope_dim),
                  shape_text=f"[B, s_q, h_q, d_qk={rank + rope_dim}]")
     B, s_q, h, _ = q.shape
     R = B * s_q
-    _check_cache(kv_cache, rank, rope_dim, fp8_group)
+    _check_cache(kv_cache, rank, rope_dim, fp8_group, k_scale)
     check_tensor("indices", indices, dtypes=_I32, shape=(None,), shape_text="[N] int32 (flat top-k slots)")
     check_tensor("row_start", row_start, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
     check_tensor("row_len", row_len, dtypes=_I32, shape=(R,), shape_text=f"[B*s_q={R}] int32")
@@ -196,7 +220,7 @@ def _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, nu
                  shape_text=f"[capacity={partial_o.shape[0]}, h={h}] fp32")
     check_device(q.device, kv_cache=kv_cache, indices=indices, row_start=row_start, row_len=row_len,
                  part_info=part_info, num_splits=num_splits, split_offsets=split_offsets, out=out, lse_rows=lse_rows,
-                 partial_o=partial_o, partial_lse=partial_lse)
+                 partial_o=partial_o, partial_lse=partial_lse, k_scale=k_scale)
 
 
 @torch.library.custom_op("mla_fuzz::decode_sparse",
@@ -205,7 +229,8 @@ def decode_sparse(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
                   row_len: torch.Tensor, part_info: torch.Tensor, num_splits: torch.Tensor,
                   split_offsets: torch.Tensor, out: torch.Tensor, lse_rows: torch.Tensor, partial_o: torch.Tensor,
                   partial_lse: torch.Tensor, softmax_scale: float, rank: int, rope_dim: int, fp8_group: int,
-                  block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+                  block_m: int, block_n: int, num_warps: int, num_stages: int,
+                  k_scale: Optional[torch.Tensor] = None) -> None:
     """Sparse top-k decode over the plan in ``part_info`` / ``num_splits`` / ``split_offsets``
     (made by ``plan`` from ``row_len``), see ``kernels.decode_sparse``.
 
@@ -213,25 +238,26 @@ def decode_sparse(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor
     ``indices[row_start[r] : row_start[r] + row_len[r]]`` (int32 flat ``[N]``; ``-1`` masked).
     Writes unsplit rows of ``out [B, s_q, h, rank]`` / ``lse_rows`` fp32 ``[B*s_q, h]`` and the
     partials ``[cap, h, rank]`` / ``[cap, h]`` of split rows; ``combine`` over the
-    ``[B*s_q, 1, h, rank]`` view finishes the rest.
+    ``[B*s_q, 1, h, rank]`` view finishes the rest. An fp8_e4m3 cache needs ``k_scale`` (fp32
+    ``[1]``, loaded by the kernel).
     """
     _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
-                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group)
+                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group, k_scale)
     if q.shape[0] == 0 or q.shape[1] == 0:
         return
     launch_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
                          lse_rows, partial_o, partial_lse, softmax_scale=softmax_scale, rank=rank,
                          rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n,
                          num_warps=num_warps, num_stages=num_stages,
-                         dot_f32=interpreting() or q.dtype == torch.float32)
+                         dot_f32=interpreting() or q.dtype == torch.float32, k_scale=k_scale)
 
 
 @decode_sparse.register_fake
 def _decode_sparse_fake(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
                         lse_rows, partial_o, partial_lse, softmax_scale, rank, rope_dim, fp8_group, block_m, block_n,
-                        num_warps, num_stages) -> None:
+                        num_warps, num_stages, k_scale=None) -> None:
     _check_decode_sparse(q, kv_cache, indices, row_start, row_len, part_info, num_splits, split_offsets, out,
-                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group)
+                         lse_rows, partial_o, partial_lse, rank, rope_dim, fp8_group, k_scale)
 
 
 # --------------------------------------------------------------------------- combine

@@ -14,6 +14,11 @@ Two tables, both declarative:
   ends at. The portable Triton kernel (``kernels/decode_split.py``) runs anything; the others
   are Hopper Gluon kernels (``kernels/hopper/``).
 
+Cache kinds: ``"16-bit"`` (bf16 / fp16), ``"fp8"`` (FlashMLA's uint8 token, scales inside) and
+``"fp8_e4m3"`` (per-tensor-scaled float8_e4m3fn rows, vLLM / SGLang / FlashInfer's layout,
+scale from a device pointer). No Gluon kernel reads the last; its rows name the Triton kernel
+and say why, on Hopper too, and ``resolve`` refuses it to a Gluon kernel a config names.
+
 A test picks a route by its row (``route_config(ROUTES[i], spec, s_q, device)``, or
 ``default_config(...).with_(kernel=...)``) instead of switching module globals; a Gluon kernel
 that fails to build (another Triton's Gluon) is reported once and every later launch takes the
@@ -69,7 +74,7 @@ class Route:
     of the Triton kernel (``fp8_grouped``) and ``why``."""
 
     platform: str            # "hopper" (compute capability 9.x, Gluon, rank 512 + rope 64), "cuda", "cpu"
-    cache: str               # "16-bit", "fp8" or "any"
+    cache: str               # "16-bit", "fp8", "fp8_e4m3" or "any"
     decode: str              # "dense", "sparse" or "any"
     rows: tuple              # (lo, hi) query rows per request
     max_batch: Optional[int]
@@ -99,6 +104,33 @@ R = Route
 #: (platform, cache, decode, rows, max_batch, kernel, block_m, block_n, warps, stages, min_tiles,
 #: fp8_grouped, why)
 ROUTES: tuple = (
+    # per-tensor e4m3 (fp8_e4m3): a declared decision, not a fallback -- the Gluon kernels read
+    # FlashMLA's token (codes | group scales | bf16 rope) or 16-bit keys, none a per-tensor scale
+    # from a device pointer, so the portable Triton kernel runs it on every platform. Its keys are
+    # staged as codes, widened to fp32 for the scale, then rounded to q's dtype for the dots, so a
+    # tile holds three copies of the keys: the 16-bit rows' 128- and 64-key tiles need 354-391 KB of
+    # shared memory at rank 512 (more than an H100/H200 has, measured 2026-11-28); these 32-key
+    # (16-key off Hopper) tiles fit. Correct, not tuned: nothing here was measured for speed.
+    R("hopper", "fp8_e4m3", "dense", (1, 16), None, "triton", 16, 32, 4, 2, 2, False,
+      "per-tensor e4m3 cache: no Gluon kernel reads it; the Triton kernel with 32-key tiles (the 16-bit "
+      "rows' tiles exceed shared memory at rank 512 with the widened keys, h200-2026-11-28-fp8-e4m3-smem.json; untuned)"),
+    R("hopper", "fp8_e4m3", "dense", (17, _ANY), None, "triton", 32, 32, 4, 2, 2, False,
+      "per-tensor e4m3 cache: no Gluon kernel reads it; the Triton kernel with 32-row blocks of 32-key tiles "
+      "(the 16-bit rows' tiles exceed shared memory at rank 512 with the widened keys, "
+      "h200-2026-11-28-fp8-e4m3-smem.json; untuned)"),
+    R("cuda", "fp8_e4m3", "dense", (1, 16), None, "triton", 16, 16, 4, 2, 2, False,
+      "per-tensor e4m3 cache up to 16 rows: 16-key tiles, within the shared memory of pre-Hopper GPUs "
+      "at rank 512 with the widened keys (h200-2026-11-28-fp8-e4m3-smem.json; untuned)"),
+    R("cuda", "fp8_e4m3", "dense", (17, _ANY), None, "triton", 32, 16, 4, 2, 2, False,
+      "per-tensor e4m3 cache above 16 rows: 32-row blocks of 16-key tiles, within the shared memory of "
+      "pre-Hopper GPUs at rank 512 with the widened keys (h200-2026-11-28-fp8-e4m3-smem.json; untuned)"),
+    # the sparse decode (its own kernel, the "cuda" rows on every GPU) fits the 16-bit blocks
+    R("cuda", "fp8_e4m3", "sparse", (17, 32), None, "triton", 32, 128, 8, 3, 2, False,
+      "per-tensor e4m3 sparse decode, 17-32 rows: the 16-bit blocks (measured on 16-bit caches, "
+      "h100-2026-11-26-config-sweep-pageconst.json; untuned for e4m3)"),
+    R("cuda", "fp8_e4m3", "sparse", (33, _ANY), None, "triton", 64, 64, 8, 2, 2, False,
+      "per-tensor e4m3 sparse decode above 32 rows: the 16-bit blocks (measured on 16-bit caches, "
+      "h100-2026-11-26-config-sweep-pageconst.json; untuned for e4m3)"),
     R("hopper", "fp8", "dense", (17, 32), SPLIT_ROWS_MAX_BATCH, "wgmma_rs", 16, 64, 4, 1, 2, False,
       "h=16 x 2 at small batches: two 16-row blocks, one program a part and block; 1.06-1.30x the one-block "
       "route at B 1-2 (h100-2026-11-27-split-rows-ab.json)"),
@@ -165,13 +197,20 @@ def _platform(spec: ModelSpec, device: torch.device, fp8: bool, sparse: bool, ca
     return "hopper" if hopper else "cuda"
 
 
+def _cache_kind(fp8: bool, fp8_e4m3: bool) -> str:
+    if fp8 and fp8_e4m3:
+        raise ValueError("fp8 (FlashMLA's token) and fp8_e4m3 (per-tensor e4m3) are two cache layouts: give one")
+    return "fp8" if fp8 else "fp8_e4m3" if fp8_e4m3 else "16-bit"
+
+
 def find_route(spec: ModelSpec, s_q: int, device: Optional[torch.device] = None, *, fp8: bool = False,
-               sparse: bool = False, batch: Optional[int] = None, capability: Optional[tuple] = None) -> Route:
+               sparse: bool = False, batch: Optional[int] = None, capability: Optional[tuple] = None,
+               fp8_e4m3: bool = False) -> Route:
     """The first row of ``ROUTES`` matching these static facts (arguments as ``default_config``)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
+    cache = _cache_kind(fp8, fp8_e4m3)
     platform = _platform(spec, device, fp8, sparse, capability)
     rows = s_q * spec.num_heads
-    cache = "fp8" if fp8 else "16-bit"
     decode = "sparse" if sparse else "dense"
     for r in ROUTES:
         if (r.platform == platform and r.cache in (cache, "any") and r.decode in (decode, "any")
@@ -201,16 +240,19 @@ def route_config(route: Route, spec: ModelSpec, s_q: int, device: Optional[torch
 
 def default_config(spec: ModelSpec, s_q: int, device: Optional[torch.device] = None, *, fp8: bool = False,
                    sparse: bool = False, batch: Optional[int] = None,
-                   capability: Optional[tuple] = None) -> DecodeConfig:
+                   capability: Optional[tuple] = None, fp8_e4m3: bool = False) -> DecodeConfig:
     """The configuration ``mla_decode`` and the backend use unless given one: ``ROUTES``' first
     match (``find_route``) made into a config (``route_config``); an FP8 config takes the grouped
-    path only where its cache is FP8.
+    path only where its cache is FP8 (FlashMLA's token, ``fp8``).
 
+    ``fp8_e4m3``: the per-tensor-scaled float8_e4m3fn cache (its own rows: the Triton kernel
+    everywhere); exclusive with ``fp8``.
     ``batch``: the padded batch the launches are for (a route may hold only for small ones; None:
     no batch, the routes of larger batches). ``sparse``: the sparse top-k decode (pass ``s_q=1``:
     one (request, token) row a unit), which has its own kernel. ``capability``: the CUDA device's
     compute capability (None: read from ``device``; on a machine without CUDA, an H100's)."""
-    route = find_route(spec, s_q, device, fp8=fp8, sparse=sparse, batch=batch, capability=capability)
+    route = find_route(spec, s_q, device, fp8=fp8, sparse=sparse, batch=batch, capability=capability,
+                       fp8_e4m3=fp8_e4m3)
     cfg = route_config(route, spec, s_q, device)
     return cfg if fp8 or not cfg.fp8_grouped else cfg.with_(fp8_grouped=False, reason=cfg.reason)
 
@@ -245,6 +287,11 @@ class Launch:
         return self.kv_cache.dtype == torch.uint8
 
     @property
+    def cache(self) -> str:
+        """The cache kind, as ``Kernel.cache`` names it."""
+        return "fp8" if self.fp8 else "fp8_e4m3" if self.kv_cache.dtype == torch.float8_e4m3fn else "16-bit"
+
+    @property
     def rows(self) -> int:
         return self.q.shape[1] * self.q.shape[2]
 
@@ -258,7 +305,7 @@ class Kernel:
     name: str
     where: str
     blocks: Optional[tuple]            # None: any
-    cache: str                         # "16-bit", "fp8" or "any"
+    cache: str                         # "16-bit", "fp8" or "any" (no Gluon kernel takes "fp8_e4m3")
     check: Optional[Callable[[Launch], Optional[str]]]
     fallback: Optional[str]
 
@@ -383,8 +430,8 @@ def _refusal(kernel: Kernel, x: Launch) -> Optional[str]:
         return None
     if (x.block_m, x.block_n, x.num_warps) not in kernel.blocks:
         return f"block {x.block_m}x{x.block_n} with {x.num_warps} warps (it takes {kernel.blocks})"
-    if kernel.cache != ("fp8" if x.fp8 else "16-bit"):
-        return f"a {'FP8' if x.fp8 else '16-bit'} cache (it takes {kernel.cache})"
+    if kernel.cache != x.cache:
+        return f"a {x.cache if x.cache != 'fp8' else 'FP8'} cache (it takes {kernel.cache})"
     reason = _hopper_reason(x)
     if reason is None and kernel.check is not None:
         reason = kernel.check(x)
@@ -425,11 +472,12 @@ def mark_unavailable(error: BaseException) -> None:
 def launch_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits, split_offsets,
                   out, lse, partial_o, partial_lse, *, softmax_scale: float, rank: int, rope_dim: int, fp8_group: int,
                   block_m: int, block_n: int, num_warps: int, num_stages: int, fp8_grouped: bool = True,
-                  kernel: str = "triton") -> None:
+                  kernel: str = "triton", k_scale: Optional[torch.Tensor] = None) -> None:
     """Launch the split-KV decode (arguments checked by ``ops.decode_split``; shapes as
     ``decode_split.launch_decode_split``) on the kernel ``resolve`` picks. A Gluon kernel that
     fails to build (compile or resource error, raised before anything runs) sends this launch and
-    every later one to the Triton kernel (``mark_unavailable``)."""
+    every later one to the Triton kernel (``mark_unavailable``). ``k_scale``: the fp8_e4m3 cache's
+    fp32 ``[1]`` scale (only the Triton kernel reads that cache: ``resolve`` refuses it to the rest)."""
     dot_f32 = interpreting() or q.dtype == torch.float32
     if kernel != "triton" and not dot_f32:
         name, _ = resolve(q, kv_cache, kernel=kernel, rank=rank, rope_dim=rope_dim, fp8_group=fp8_group,
@@ -446,4 +494,5 @@ def launch_decode(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, 
     launch_decode_split(q, kv_cache, block_table, cache_seqlens, ctx_lens, ctx_width, part_info, num_splits,
                         split_offsets, out, lse, partial_o, partial_lse, softmax_scale=softmax_scale, rank=rank,
                         rope_dim=rope_dim, fp8_group=fp8_group, block_m=block_m, block_n=block_n,
-                        num_warps=num_warps, num_stages=num_stages, dot_f32=dot_f32, fp8_grouped=fp8_grouped)
+                        num_warps=num_warps, num_stages=num_stages, dot_f32=dot_f32, fp8_grouped=fp8_grouped,
+                        k_scale=k_scale)

@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
-#: Every KV-cache format the fuzzer knows (``"fp8"``: FlashMLA's 656-byte token).
-ALL_KV_DTYPES = ("bf16", "fp16", "fp8")
+#: Every KV-cache format the fuzzer knows (``"fp8"``: FlashMLA's 656-byte token; ``"fp8_e4m3"``:
+#: 576 e4m3 values a token and one per-layer fp32 scale tensor, ``DecodeBatch.k_scale``).
+ALL_KV_DTYPES = ("bf16", "fp16", "fp8", "fp8_e4m3")
+#: What a backend that declares no ``kv_dtypes`` is assumed to read: every format but
+#: ``"fp8_e4m3"``, which a backend must opt into (it has to read ``DecodeBatch.k_scale``; one
+#: written before the format existed would fail on it, not decline it).
+DEFAULT_KV_DTYPES = ("bf16", "fp16", "fp8")
 ALL_Q_DTYPES = ("bf16", "fp16")
 #: The query tokens per request the fuzzer draws (1 = plain decode, more = MTP).
 ALL_NEXT_N = (1, 2, 3, 4)
@@ -44,9 +49,13 @@ def _tuple(name: str, value, allowed: tuple) -> tuple:
 class Capabilities:
     """A backend's declaration of the inputs it handles and the conventions it follows.
 
-    - ``kv_dtypes``: KV-cache formats, from ``("bf16", "fp16", "fp8")``.
+    - ``kv_dtypes``: KV-cache formats, from ``ALL_KV_DTYPES``: ``"bf16"``, ``"fp16"``, ``"fp8"``
+      (FlashMLA's 656-byte token: 512 e4m3 + 4 fp32 group scales + 64 bf16 rope at DeepSeek
+      size) and ``"fp8_e4m3"`` (576 e4m3 values a token, latent and rope, and one per-layer
+      fp32 scale tensor, ``DecodeBatch.k_scale``). Default ``DEFAULT_KV_DTYPES``: all but
+      ``"fp8_e4m3"``, which is opt-in.
     - ``q_dtypes``: query (and output) dtypes, from ``("bf16", "fp16")``; a bf16/fp16 cache is
-      read with queries of the same dtype, an FP8 cache with any of these.
+      read with queries of the same dtype, an FP8 cache (either) with any of these.
     - ``next_n``: allowed query tokens per request (``s_q``), from 1-4.
     - ``mtp``: ``"none"`` one query token per real request (``next_n`` must be ``(1,)``);
       ``"uniform"`` every real request has exactly ``next_n`` query tokens
@@ -70,7 +79,7 @@ class Capabilities:
       dtype tolerance instead of bit for bit; both are still held to the reference.
     """
 
-    kv_dtypes: tuple = ALL_KV_DTYPES
+    kv_dtypes: tuple = DEFAULT_KV_DTYPES
     q_dtypes: tuple = ALL_Q_DTYPES
     next_n: tuple = ALL_NEXT_N
     mtp: str = "ragged"

@@ -12,12 +12,15 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-KV_DTYPES = ("bf16", "fp16", "fp8")
+#: KV-cache formats: ``"fp8"`` is FlashMLA's uint8 token (656 bytes at DeepSeek size, its scales
+#: inside), ``"fp8_e4m3"`` float8_e4m3fn rows with one per-layer fp32 scale (``DecodeBatch.k_scale``).
+KV_DTYPES = ("bf16", "fp16", "fp8", "fp8_e4m3")
 
 
 @dataclass
 class DecodeBatch:
-    """One decode step, as the engine's scheduler hands it to a backend (all CPU tensors).
+    """One decode step, as the engine's scheduler hands it to a backend (CPU tensors, except
+    ``k_scale``).
 
     Shapes (``B`` real requests, ``s_q = next_n``):
 
@@ -31,7 +34,11 @@ class DecodeBatch:
     - ``pad_to``: the captured batch size this step is replayed at (``None`` = eager, no padding).
       The backend pads rows ``B..pad_to-1`` as real engines do: seq_len 0, q_len 0, block-table
       rows pointing at ``null_block``, slot -1.
-    - ``kv_dtype``: ``"bf16" | "fp16" | "fp8"`` (FP8 = FlashMLA's uint8 token layout).
+    - ``kv_dtype``: ``"bf16" | "fp16" | "fp8" | "fp8_e4m3"``: ``"fp8"`` is FlashMLA's uint8 token
+      (``[num_blocks, page_size, spec.fp8_bytes_per_token]``, 656 bytes at DeepSeek size: e4m3
+      latent, fp32 group scales, bf16 rope); ``"fp8_e4m3"`` is vLLM / SGLang / FlashInfer's
+      float8_e4m3fn ``[num_blocks, page_size, 1, d_qk]`` (latent and rope all e4m3) read as
+      ``e4m3 * k_scale`` (``mla_ref.fp8_tensor``).
     - ``topk_indices`` int32 ``[B, next_n, topk]`` (sparse decode only): global slots, ``-1`` invalid.
     - Ragged form of the same selection (sparse decode, as engines produce it; give this *or*
       ``topk_indices``): ``topk_flat`` int32 ``[nnz]`` holds the rows back to back,
@@ -41,6 +48,12 @@ class DecodeBatch:
       invalid; a row may hold fewer than ``topk`` entries, be empty, or be all ``-1``.
       ``topk`` alone (no ``topk_flat``/``topk_indptr``): sparse decode whose selection the
       backend makes on the device with its top-k indexer (``mla_ref.indexer_topk``).
+    - ``k_scale`` (``"fp8_e4m3"`` only, else None): the layer's per-tensor KV scale, an fp32
+      tensor of shape ``[1]`` **on the device** -- the one non-CPU field. The engine owns it and
+      writes it in place when the scale changes, so a captured graph must read this tensor, or
+      a persistent buffer ``build`` copies it into, never a tensor re-created per build (its
+      value frozen at capture). Its value is not checked here (a host read); the reference
+      refuses a scale that is not positive and finite.
     """
 
     seq_lens: torch.Tensor
@@ -58,6 +71,7 @@ class DecodeBatch:
     topk_flat: Optional[torch.Tensor] = None
     topk_indptr: Optional[torch.Tensor] = None
     topk: Optional[int] = None
+    k_scale: Optional[torch.Tensor] = None  # last: positional construction keeps its meaning
 
     def __post_init__(self) -> None:
         if self.max_decode_len is None:
@@ -127,6 +141,14 @@ class DecodeBatch:
         need(0 <= self.max_decode_len <= self.next_n,
              f"max_decode_len must be in [0, next_n={self.next_n}], got {self.max_decode_len}")
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_dtype == "fp8_e4m3":
+            ks = self.k_scale
+            need(isinstance(ks, torch.Tensor), "k_scale is required for kv_dtype 'fp8_e4m3' (an fp32 [1] tensor on the "
+                                               f"device), got {type(ks).__name__}")
+            need(ks.dtype == torch.float32 and tuple(ks.shape) == (1,),
+                 f"k_scale must be an fp32 tensor of shape [1], got {ks.dtype} {tuple(ks.shape)}")
+        else:
+            need(self.k_scale is None, f"k_scale is only for kv_dtype 'fp8_e4m3', but kv_dtype is {self.kv_dtype!r}")
         if B:
             need(int(self.seq_lens.min()) >= 0, "seq_lens must be >= 0")
             need(int(self.q_lens.min()) >= 0, "q_lens must be >= 0")
@@ -174,10 +196,13 @@ class DecodeBatch:
             d.update(topk_flat=self.topk_flat.tolist(), topk_indptr=self.topk_indptr.tolist())
         if self.topk is not None:
             d["topk"] = self.topk
+        if self.k_scale is not None:  # a float: the fp32 value, exact in JSON's double
+            d["k_scale"] = float(self.k_scale.detach().reshape(-1)[0].cpu())
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecodeBatch":
+        """The batch ``to_dict`` wrote (``k_scale`` comes back as a CPU fp32 ``[1]`` tensor)."""
         B = len(d["seq_lens"])
         next_n = int(d.get("next_n", 1))
         bt = torch.tensor(d["block_table"], dtype=torch.int32).reshape(B, -1)
@@ -193,6 +218,7 @@ class DecodeBatch:
             topk_flat=None if d.get("topk_flat") is None else torch.tensor(d["topk_flat"], dtype=torch.int32),
             topk_indptr=None if d.get("topk_indptr") is None else torch.tensor(d["topk_indptr"], dtype=torch.int32),
             topk=None if d.get("topk") is None else int(d["topk"]),
+            k_scale=None if d.get("k_scale") is None else torch.tensor([float(d["k_scale"])], dtype=torch.float32),
         )
 
 

@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from .cache import check_kv_cache, gather_kv, read_slots
+from .cache import check_kv_cache, check_scale_for, gather_kv, read_slots
+from .fp8_tensor import KScale
 from .spec import ModelSpec
 
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -23,6 +24,7 @@ class DecodePlan:
     seq_lens: list
     q_lens: list
     topk_lengths: Optional[list]
+    k_scale: Optional[float] = None  # the fp8_e4m3 cache's scale (fp32 value), else None
 
 
 def _describe(t) -> str:
@@ -43,9 +45,11 @@ def _check_int_tensor(name: str, t, dtype: torch.dtype, shape: tuple, shape_text
 def check_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       cache_seqlens: torch.Tensor, *, spec: ModelSpec, q_lens: Optional[torch.Tensor] = None,
                       indices: Optional[torch.Tensor] = None,
-                      topk_length: Optional[torch.Tensor] = None) -> DecodePlan:
+                      topk_length: Optional[torch.Tensor] = None,
+                      k_scale: Optional[KScale] = None) -> DecodePlan:
     """Validate ``mla_decode``'s arguments; ValueError names the argument, expected vs given.
 
+    ``k_scale`` is required for an fp8_e4m3 cache and refused for any other (``check_scale_for``).
     Only the block-table entries of pages a row actually needs (``ceil(seq_len/page_size)``)
     and only the index entries that count (real tokens, first ``topk_length`` entries) are
     checked: the rest may legitimately hold garbage. Returns the host-side metadata.
@@ -60,6 +64,7 @@ def check_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     if h_q != spec.num_heads:
         raise ValueError(f"q heads (dim 2) must be spec.num_heads = {spec.num_heads}, got {h_q}")
     check_kv_cache(kv_cache, spec=spec)
+    scale = check_scale_for(kv_cache, k_scale)
     num_blocks, page_size = kv_cache.shape[0], kv_cache.shape[1]
     n_slots = num_blocks * page_size
 
@@ -115,7 +120,7 @@ def check_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                 i, j = (int(v) for v in bad.nonzero()[0])
                 raise ValueError(f"indices[{b}, {i}, {j}] = {int(counted[i, j])} is outside the cache: expected -1 "
                                  f"or a slot in [0, num_blocks*page_size={n_slots})")
-    return DecodePlan(seq_lens=seq_lens, q_lens=lens, topk_lengths=topk_lengths)
+    return DecodePlan(seq_lens=seq_lens, q_lens=lens, topk_lengths=topk_lengths, k_scale=scale)
 
 
 def attend(q_tok: torch.Tensor, keys: torch.Tensor, softmax_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,12 +144,14 @@ def attend(q_tok: torch.Tensor, keys: torch.Tensor, softmax_scale: float, d_v: i
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                *, spec: ModelSpec, softmax_scale: Optional[float] = None, causal: bool = True,
                q_lens: Optional[torch.Tensor] = None, indices: Optional[torch.Tensor] = None,
-               topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+               topk_length: Optional[torch.Tensor] = None,
+               k_scale: Optional[KScale] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference MLA decode attention (FlashMLA conventions).
 
     Args:
         q: ``[B, s_q, h_q, d_qk]`` bf16/fp16/fp32/fp64, ``h_q == spec.num_heads``.
-        kv_cache: floating ``[num_blocks, page_size, 1, d_qk]`` or uint8 FP8 ``[num_blocks, page_size, fp8_bytes]``.
+        kv_cache: floating ``[num_blocks, page_size, 1, d_qk]`` (bf16/fp16/fp32/fp64, or
+            float8_e4m3fn with ``k_scale``) or uint8 FP8 ``[num_blocks, page_size, fp8_bytes]``.
         block_table: int32 ``[B, max_blocks]``; entries past a row's needed pages are never read.
         cache_seqlens: int32 ``[B]`` keys per request, including this step's tokens.
         softmax_scale: default ``spec.softmax_scale`` (1/sqrt(nope + rope)).
@@ -155,6 +162,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         indices: int32 ``[B, s_q, topk]`` global slots (sparse mode), ``-1`` = invalid. Each
             valid entry is one key (a repeated slot counts twice, as in a kernel looping over entries).
         topk_length: int32 ``[B]``: only the first ``topk_length[b]`` entries of each row count.
+        k_scale: the fp8_e4m3 cache's per-tensor scale (float or 1-element fp32 tensor, any
+            device): keys are ``e4m3 * k_scale`` in the compute dtype. Required for that cache,
+            refused for any other.
     Returns:
         ``out [B, s_q, h_q, kv_lora_rank]`` in q's dtype and ``lse [B, h_q, s_q]`` fp32 (natural
         log). A token with no visible key gets out exactly 0 and lse -inf: padding tokens,
@@ -162,7 +172,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         ``q_lens=None``) causal tokens whose range ``seq_len - s_q + i`` is negative.
     """
     plan = check_decode_args(q, kv_cache, block_table, cache_seqlens, spec=spec, q_lens=q_lens,
-                             indices=indices, topk_length=topk_length)
+                             indices=indices, topk_length=topk_length, k_scale=k_scale)
     scale = spec.softmax_scale if softmax_scale is None else float(softmax_scale)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, s_q, h_q, _ = q.shape
@@ -173,11 +183,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     for b in range(B):
         L, ql = plan.seq_lens[b], plan.q_lens[b]
         if indices is None:
-            keys_all = gather_kv(kv_cache, block_table[b], L, spec=spec, dtype=compute).to(q.device)
+            keys_all = gather_kv(kv_cache, block_table[b], L, spec=spec, dtype=compute,
+                                 k_scale=plan.k_scale).to(q.device)
         for i in range(ql):
             if indices is not None:
                 row = indices[b, i, :plan.topk_lengths[b]]
-                keys = read_slots(kv_cache, row[row >= 0], spec=spec, dtype=compute).to(q.device)
+                keys = read_slots(kv_cache, row[row >= 0], spec=spec, dtype=compute,
+                                  k_scale=plan.k_scale).to(q.device)
             elif causal:
                 # bottom-right alignment: the last real token sees the whole sequence
                 keys = keys_all[:max(L - ql + i + 1, 0)]

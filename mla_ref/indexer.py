@@ -14,10 +14,12 @@ Visibility is MTP-aware (bottom-right causal): real token ``i < q_lens[b]`` sees
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from .cache import gather_kv
+from .cache import check_scale_for, gather_kv
+from .fp8_tensor import KScale
 from .spec import ModelSpec
 
 
@@ -51,25 +53,29 @@ class IndexerWeights:
 
 
 def indexer_topk(weights: IndexerWeights, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, q_lens: torch.Tensor, topk: int, *, spec: ModelSpec) -> torch.Tensor:
+                 seq_lens: torch.Tensor, q_lens: torch.Tensor, topk: int, *, spec: ModelSpec,
+                 k_scale: Optional[KScale] = None) -> torch.Tensor:
     """Reference top-k selection.
 
     Args:
-        q: ``[B, s_q, h, d_qk]`` attention queries; kv_cache: either cache layout;
+        q: ``[B, s_q, h, d_qk]`` attention queries; kv_cache: any cache layout;
         block_table: int32 ``[B, max_blocks]``; seq_lens, q_lens: int32 ``[B]``; topk >= 1.
+        k_scale: the fp8_e4m3 cache's scale (required for it, refused otherwise): index keys
+            are projected from ``e4m3 * k_scale`` in fp64.
     Returns:
         int32 ``[B, s_q, topk]``: global slots of each token's best ``min(topk, visible)`` keys
         in descending score order (ties: earlier position first), then ``-1``.
     """
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
+    scale = check_scale_for(kv_cache, k_scale)
     B, s_q = q.shape[:2]
     page = kv_cache.shape[1]
     out = torch.full((B, s_q, topk), -1, dtype=torch.int32)
     G = weights.index_heads
     for b in range(B):
         L, ql = int(seq_lens[b]), int(q_lens[b])
-        keys = gather_kv(kv_cache, block_table[b], L, spec=spec, dtype=torch.float64).cpu()
+        keys = gather_kv(kv_cache, block_table[b], L, spec=spec, dtype=torch.float64, k_scale=scale).cpu()
         k_idx = keys @ weights.w_k.double().cpu()
         for i in range(ql):
             visible = L - ql + i + 1

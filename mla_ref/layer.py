@@ -19,6 +19,7 @@ import torch
 from .cache import gather_kv, write_kv_cache
 from .decode import DecodePlan, check_decode_args, mla_decode
 from .fp8 import FP8_AMAX_FLOOR, FP8_E4M3_MAX, ieee_div
+from .fp8_tensor import KScale
 from .spec import ModelSpec
 
 
@@ -228,7 +229,7 @@ def o_project(w: MLALayerWeights, attn: torch.Tensor, *, spec: ModelSpec, fp8_ou
 
 
 def _check_layer_args(hidden, positions, kv_cache, block_table, cache_seqlens, slot_mapping, q_lens,
-                      spec: ModelSpec) -> DecodePlan:
+                      spec: ModelSpec, k_scale: Optional[KScale] = None) -> DecodePlan:
     """Validate everything before the cache is touched, so bad input leaves it unchanged."""
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _ACT_DTYPES or hidden.dim() != 3 \
             or hidden.shape[2] != spec.hidden:
@@ -241,19 +242,20 @@ def _check_layer_args(hidden, positions, kv_cache, block_table, cache_seqlens, s
                              f"{(t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__}")
     # the attention metadata contract is mla_decode's; q's shape is what project_q will produce
     q_shape_only = torch.empty(B, s_q, spec.num_heads, spec.d_qk, dtype=hidden.dtype, device="meta")
-    return check_decode_args(q_shape_only, kv_cache, block_table, cache_seqlens, spec=spec, q_lens=q_lens)
+    return check_decode_args(q_shape_only, kv_cache, block_table, cache_seqlens, spec=spec, q_lens=q_lens,
+                             k_scale=k_scale)
 
 
-def _write_step(w, hidden, positions, kv_cache, slot_mapping, spec) -> None:
+def _write_step(w, hidden, positions, kv_cache, slot_mapping, spec, k_scale=None) -> None:
     latent, k_rope = compress_kv(w, hidden, positions, spec=spec)
     write_kv_cache(kv_cache, latent.reshape(-1, spec.kv_lora_rank), k_rope.reshape(-1, spec.qk_rope_head_dim),
-                   slot_mapping.reshape(-1), spec=spec)
+                   slot_mapping.reshape(-1), spec=spec, k_scale=k_scale)
 
 
 def mla_layer_decode_absorbed(w: MLALayerWeights, hidden: torch.Tensor, positions: torch.Tensor,
                               kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                               slot_mapping: torch.Tensor, *, spec: ModelSpec, q_lens: Optional[torch.Tensor] = None,
-                              fp8_out: bool = False) -> torch.Tensor:
+                              fp8_out: bool = False, k_scale: Optional[KScale] = None) -> torch.Tensor:
     """One decode step of the layer, absorbed form (latent attention through ``mla_decode``).
 
     Writes this step's latent KV into ``kv_cache`` (in place; slot -1 skipped) first.
@@ -264,31 +266,36 @@ def mla_layer_decode_absorbed(w: MLALayerWeights, hidden: torch.Tensor, position
             this step's tokens).
         slot_mapping: int64 ``[B, s_q]`` global slot of each token, -1 = do not write.
         fp8_out: per-tensor FP8 quantisation of the attention output before o_proj.
+        k_scale: the fp8_e4m3 cache's per-tensor scale (float or 1-element fp32 tensor), used
+            for the write and the attention; required for that cache, refused for any other.
     Returns:
         ``[B, s_q, hidden]`` in hidden's dtype; padding tokens (``i >= q_lens``) are 0.
     """
-    _check_layer_args(hidden, positions, kv_cache, block_table, cache_seqlens, slot_mapping, q_lens, spec)
-    _write_step(w, hidden, positions, kv_cache, slot_mapping, spec)
+    plan = _check_layer_args(hidden, positions, kv_cache, block_table, cache_seqlens, slot_mapping, q_lens, spec,
+                             k_scale)
+    _write_step(w, hidden, positions, kv_cache, slot_mapping, spec, plan.k_scale)
     q_nope, q_rope = project_q(w, hidden, positions, spec=spec)
     q = absorb_q(w, q_nope, q_rope, spec=spec)
-    out_latent, _ = mla_decode(q, kv_cache, block_table, cache_seqlens, spec=spec, q_lens=q_lens)
+    out_latent, _ = mla_decode(q, kv_cache, block_table, cache_seqlens, spec=spec, q_lens=q_lens,
+                               k_scale=plan.k_scale)
     return o_project(w, unabsorb_out(w, out_latent, spec=spec), spec=spec, fp8_out=fp8_out)
 
 
 def mla_layer_decode_naive(w: MLALayerWeights, hidden: torch.Tensor, positions: torch.Tensor,
                            kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                            slot_mapping: torch.Tensor, *, spec: ModelSpec, q_lens: Optional[torch.Tensor] = None,
-                           fp8_out: bool = False) -> torch.Tensor:
+                           fp8_out: bool = False, k_scale: Optional[KScale] = None) -> torch.Tensor:
     """One decode step of the layer, naive form: same signature and result as
     ``mla_layer_decode_absorbed``, but the latent cache is decompressed into per-head
     ``K = [latent @ W_uk^T, k_rope]`` and ``V = latent @ W_uv^T`` and standard bottom-right
-    causal attention runs with ``q = [q_nope, q_rope]`` (no absorption).
+    causal attention runs with ``q = [q_nope, q_rope]`` (no absorption). ``k_scale``: as there.
 
     Returns:
         ``[B, s_q, hidden]`` in hidden's dtype; padding tokens are 0 rows before o_proj.
     """
-    plan = _check_layer_args(hidden, positions, kv_cache, block_table, cache_seqlens, slot_mapping, q_lens, spec)
-    _write_step(w, hidden, positions, kv_cache, slot_mapping, spec)
+    plan = _check_layer_args(hidden, positions, kv_cache, block_table, cache_seqlens, slot_mapping, q_lens, spec,
+                             k_scale)
+    _write_step(w, hidden, positions, kv_cache, slot_mapping, spec, plan.k_scale)
     q_nope, q_rope = project_q(w, hidden, positions, spec=spec)
     B, s_q, h, _ = q_nope.shape
     c = _compute_dtype(hidden)
@@ -297,7 +304,7 @@ def mla_layer_decode_naive(w: MLALayerWeights, hidden: torch.Tensor, positions: 
     attn = torch.zeros(B, s_q, h, spec.v_head_dim, dtype=c, device=hidden.device)
     for b in range(B):
         L, ql = plan.seq_lens[b], plan.q_lens[b]
-        kv = gather_kv(kv_cache, block_table[b], L, spec=spec, dtype=c).to(hidden.device)
+        kv = gather_kv(kv_cache, block_table[b], L, spec=spec, dtype=c, k_scale=plan.k_scale).to(hidden.device)
         latent, k_rope = kv[:, :spec.kv_lora_rank], kv[:, spec.kv_lora_rank:]
         k_nope = torch.einsum("tr,hnr->htn", latent, w_uk)  # [h, L, nope]
         values = torch.einsum("tr,hvr->htv", latent, w_uv)  # [h, L, v]

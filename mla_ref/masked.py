@@ -18,23 +18,28 @@ from typing import Optional
 
 import torch
 
-from .cache import is_fp8_cache
+from .cache import is_fp8_cache, is_fp8_e4m3_cache
 from .fp8 import dequantize_kv_fp8
+from .fp8_tensor import KScale, _dequantize, _scale_on
 from .spec import ModelSpec
 
 
 def mla_decode_masked(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       cache_seqlens: torch.Tensor, *, spec: ModelSpec, q_lens: Optional[torch.Tensor] = None,
-                      softmax_scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      softmax_scale: Optional[float] = None,
+                      k_scale: Optional[KScale] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_decode`` (dense, causal) with no host read.
 
     Args:
         q: ``[B, s_q, h_q, d_qk]`` bf16/fp16/fp32.
-        kv_cache: floating ``[num_blocks, page_size, 1, d_qk]`` or uint8 FP8
-            ``[num_blocks, page_size, fp8_bytes]``.
+        kv_cache: floating ``[num_blocks, page_size, 1, d_qk]`` (float8_e4m3fn included) or uint8
+            FP8 ``[num_blocks, page_size, fp8_bytes]``.
         block_table: int32 ``[B, max_blocks]``; every entry must be a valid page id (padding
             rows point at the null block), since all of them are gathered.
         cache_seqlens: int32 ``[B]``; q_lens: int32 ``[B]`` (``None`` = all ``s_q``).
+        k_scale: the fp8_e4m3 cache's scale, required for it: a 1-element fp32 tensor (read on
+            the device, so a captured graph follows in-place updates; its value is not
+            checked, that would be a host read) or a float.
     Returns:
         ``out [B, s_q, h_q, kv_lora_rank]`` in q's dtype, ``lse [B, h_q, s_q]`` fp32 (fp64 for
         fp64 q; natural log); out 0 and lse -inf for a token with no visible key. Computed in
@@ -44,9 +49,16 @@ def mla_decode_masked(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     nb = block_table.shape[1]
     ps = kv_cache.shape[1]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if k_scale is not None and not is_fp8_e4m3_cache(kv_cache):
+        raise ValueError(f"k_scale is only for an fp8_e4m3 (float8_e4m3fn) cache; kv_cache is {kv_cache.dtype}")
     pages = kv_cache[block_table.long()]  # [B, nb, ps, ...]
     if is_fp8_cache(kv_cache):
         keys = dequantize_kv_fp8(pages.reshape(B, nb * ps, -1), spec=spec, dtype=compute)
+    elif is_fp8_e4m3_cache(kv_cache):
+        if k_scale is None:
+            raise ValueError("k_scale is required for an fp8_e4m3 kv_cache (float8_e4m3fn): its values are "
+                             "e4m3 * k_scale")
+        keys = _dequantize(pages.reshape(B, nb * ps, spec.d_qk), _scale_on(k_scale, kv_cache.device), compute)
     else:
         keys = pages.reshape(B, nb * ps, spec.d_qk).to(compute)
     scale = spec.softmax_scale if softmax_scale is None else float(softmax_scale)

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from mla_fuzz import mla_ref
 from mla_fuzz.mla_ref import ModelSpec
 
-Q_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+Q_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "fp8_e4m3": torch.bfloat16}
+#: the fp8_e4m3 cases' default per-tensor scale: randn keys use the top of the e4m3 range
+E4M3_SCALE = 2.0 ** -5
 
 # Interpreter: dots run in fp32 like the reference, so only the final rounding to the
 # output dtype differs (RNE both sides; <= 1 ulp where fp32 noise straddles a tie).
@@ -38,6 +40,7 @@ class DecodeCase:
     q_lens: torch.Tensor          # int32 [B]
     page_size: int
     null_block: int = 0
+    k_scale: Optional[torch.Tensor] = None  # fp8_e4m3 only: fp32 [1] on the case's device
 
     @property
     def batch(self) -> int:
@@ -48,8 +51,11 @@ class DecodeCase:
 
 
 def make_case(spec: ModelSpec, *, seq_lens, q_lens, s_q: int, page_size: int, kv_dtype: str,
-              q_dtype: Optional[torch.dtype] = None, seed: int = 0, device="cpu") -> DecodeCase:
-    """A random decode batch (see the module doc). ``q_lens[b] <= min(s_q, seq_lens[b])``."""
+              q_dtype: Optional[torch.dtype] = None, seed: int = 0, device="cpu",
+              k_scale: Optional[float] = None) -> DecodeCase:
+    """A random decode batch (see the module doc). ``q_lens[b] <= min(s_q, seq_lens[b])``.
+    ``kv_dtype="fp8_e4m3"``: written with ``k_scale`` (default ``E4M3_SCALE``), kept as the
+    case's fp32 ``[1]`` tensor; its poison is the NaN code."""
     gen = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
     pages = [-(-int(L) // page_size) for L in seq_lens]
@@ -64,19 +70,23 @@ def make_case(spec: ModelSpec, *, seq_lens, q_lens, s_q: int, page_size: int, kv
     case = DecodeCase(spec=spec, q=None, kv_cache=cache, block_table=block_table,
                       seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                       q_lens=torch.tensor(q_lens, dtype=torch.int32), page_size=page_size)
+    if kv_dtype == "fp8_e4m3":
+        case.k_scale = torch.tensor([E4M3_SCALE if k_scale is None else k_scale], dtype=torch.float32)
     slots = [case.slot(b, t) for b in range(B) for t in range(int(seq_lens[b]))]
     if slots:
         T = len(slots)
         latent = torch.randn(T, spec.kv_lora_rank, generator=gen)
         rope = torch.randn(T, spec.qk_rope_head_dim, generator=gen)
-        mla_ref.write_kv_cache(cache, latent, rope, torch.tensor(slots, dtype=torch.int64), spec=spec)
+        mla_ref.write_kv_cache(cache, latent, rope, torch.tensor(slots, dtype=torch.int64), spec=spec,
+                               k_scale=case.k_scale)
     q = torch.randn(B, s_q, spec.num_heads, spec.d_qk, generator=gen)
     for b in range(B):
         q[b, int(q_lens[b]):] = float("nan")  # padding tokens: must never matter
     case.q = q.to(q_dtype or Q_DTYPE[kv_dtype])
     dev = torch.device(device)
-    for name in ("q", "kv_cache", "block_table", "seq_lens", "q_lens"):
-        setattr(case, name, getattr(case, name).to(dev))
+    for name in ("q", "kv_cache", "block_table", "seq_lens", "q_lens", "k_scale"):
+        if getattr(case, name) is not None:
+            setattr(case, name, getattr(case, name).to(dev))
     return case
 
 

@@ -28,12 +28,13 @@ class Case:
 
     spec: ModelSpec
     q: torch.Tensor                 # [B, s_q, h, d_qk]
-    kv_cache: torch.Tensor          # floating [nb, ps, 1, d_qk] or uint8 [nb, ps, bytes]
+    kv_cache: torch.Tensor          # floating [nb, ps, 1, d_qk] (float8_e4m3fn too) or uint8 [nb, ps, bytes]
     block_table: torch.Tensor       # int32 [B, cols]
     cache_seqlens: torch.Tensor     # int32 [B]
     q_lens: Optional[torch.Tensor]  # int32 [B] or None
     keys: list                      # per request fp64 [L, d_qk]: the values the cache holds
     page_size: int
+    k_scale: Optional[float] = None  # fp8_e4m3 only: the fp32 scale its values are multiplied by
 
     def slot(self, b: int, t: int) -> int:
         """Global slot of token t of request b."""
@@ -43,11 +44,20 @@ class Case:
         return (self.q, self.kv_cache, self.block_table, self.cache_seqlens)
 
 
+def e4m3_by_hand(x: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """fp8_e4m3 codes of ``x`` written out with torch ops only (fp32 division, saturation at
+    +-448, torch's round-to-nearest-even cast), for tests that must not use mla_ref's quantiser."""
+    return (x.to(torch.float32) / torch.tensor(k_scale, dtype=torch.float32)).clamp(-448.0, 448.0).to(
+        torch.float8_e4m3fn)
+
+
 def build_case(spec: ModelSpec, *, seq_lens, s_q: int, page_size: int, q_lens=None, kv_dtype: str = "fp32",
                q_dtype: torch.dtype = torch.float64, seed: int = 0, spare_blocks: int = 1, extra_cols: int = 0,
-               poison: bool = False) -> Case:
+               poison: bool = False, k_scale: Optional[float] = None) -> Case:
     """A random batch. Physical pages are handed out in a random order; with ``poison`` every
-    slot not holding a real token is NaN and unused block-table columns hold garbage."""
+    slot not holding a real token is NaN (an fp8_e4m3 cache: 0xFF bytes, the NaN code, as the
+    harness poisons) and unused block-table columns hold garbage. ``k_scale``: the fp8_e4m3
+    cache's scale (default 2**-5: keys of magnitude ~1 use the top of the e4m3 range)."""
     gen = torch.Generator().manual_seed(seed)
     B = len(seq_lens)
     pages = [-(-L // page_size) for L in seq_lens]
@@ -68,6 +78,10 @@ def build_case(spec: ModelSpec, *, seq_lens, s_q: int, page_size: int, q_lens=No
         empty = quantize_kv_fp8(torch.full((spec.kv_lora_rank,), fill), torch.full((spec.qk_rope_head_dim,), fill),
                                 spec=spec)
         kv_cache = empty.expand(num_blocks, page_size, -1).clone()
+    elif kv_dtype == "fp8_e4m3":
+        k_scale = 2.0 ** -5 if k_scale is None else float(torch.tensor(k_scale, dtype=torch.float32))
+        kv_cache = torch.full((num_blocks, page_size, 1, d), 0xFF if poison else 0, dtype=torch.uint8).view(
+            torch.float8_e4m3fn)
     else:
         kv_cache = torch.full((num_blocks, page_size, 1, d), fill, dtype=CACHE_DTYPES[kv_dtype])
 
@@ -80,6 +94,10 @@ def build_case(spec: ModelSpec, *, seq_lens, s_q: int, page_size: int, q_lens=No
             packed = quantize_kv_fp8(k[:, :spec.kv_lora_rank], k[:, spec.kv_lora_rank:], spec=spec)
             kv_cache[blocks, offsets] = packed
             keys.append(dequantize_kv_fp8(packed, spec=spec, dtype=torch.float64))
+        elif kv_dtype == "fp8_e4m3":
+            codes = e4m3_by_hand(k, k_scale)
+            kv_cache[blocks, offsets, 0] = codes
+            keys.append(codes.to(torch.float64) * k_scale)  # exact: 4 x 24 significant bits
         else:
             kv_cache[blocks, offsets, 0] = k.to(kv_cache.dtype)
             keys.append(kv_cache[blocks, offsets, 0].to(torch.float64))
@@ -87,7 +105,7 @@ def build_case(spec: ModelSpec, *, seq_lens, s_q: int, page_size: int, q_lens=No
     return Case(spec=spec, q=q, kv_cache=kv_cache, block_table=block_table,
                 cache_seqlens=torch.tensor(seq_lens, dtype=torch.int32),
                 q_lens=None if q_lens is None else torch.tensor(q_lens, dtype=torch.int32),
-                keys=keys, page_size=page_size)
+                keys=keys, page_size=page_size, k_scale=k_scale if kv_dtype == "fp8_e4m3" else None)
 
 
 def oracle_dense(case: Case, *, causal: bool = True, softmax_scale: Optional[float] = None):

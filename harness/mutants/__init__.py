@@ -6,7 +6,7 @@ mutant (from its own search, with the right diagnosis) and passes the clean back
 ``ALL`` maps name -> backend class; ``EXPECTED`` maps name -> diagnosis classes that
 are a correct explanation of that bug.
 """
-from .graph_state import HostSplitDecision, ItemInCapture, SharedLazySched, StaleFP8Metadata
+from .graph_state import HostSplitDecision, ItemInCapture, SharedLazySched, StaleFP8Metadata, StaleKScale
 from .layout import NoncontigContextLens, PaddedSlotWrite
 from .padding import NanZeroLen, UninitPaddingAmax
 from .indexer import IndexerTwoDContextLens
@@ -16,6 +16,7 @@ from .sglang_style import CaptureOwnIndices
 
 ALL = {
     "stale-fp8-metadata": StaleFP8Metadata,
+    "stale-k-scale": StaleKScale,
     "shared-lazy-sched": SharedLazySched,
     "noncontig-context-lens": NoncontigContextLens,
     "uninit-padding-amax": UninitPaddingAmax,
@@ -38,6 +39,7 @@ ALL = {
 
 EXPECTED = {
     "stale-fp8-metadata": {"stale-address"},
+    "stale-k-scale": {"stale-address"},
     "shared-lazy-sched": {"laziness"},
     "noncontig-context-lens": {"contiguity"},
     "uninit-padding-amax": {"padding-leak"},

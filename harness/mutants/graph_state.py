@@ -21,6 +21,18 @@ class StaleFP8Metadata(TritonMLABackend):
         return md
 
 
+class StaleKScale(TritonMLABackend):
+    """vLLM #35175's shape for the per-tensor FP8 cache: the builder hands the kernels a copy
+    of the layer's ``k_scale`` made at every build instead of writing it into the persistent
+    buffer, so a captured graph keeps reading the capture-time copy: once the engine changes
+    its scale, every replay dequantises the cache with the old one."""
+
+    name = "stale-k-scale"
+
+    def _stage_k_scale(self, batch):
+        return batch.k_scale.to(self.device, copy=True)
+
+
 class SharedLazySched(TritonMLABackend):
     """vLLM #42444: planning is lazy (FlashMLA's "plan on first use" contract) and warmup
     and capture share one build, so warmup plans it with dummy lengths, the capture takes

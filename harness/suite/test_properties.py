@@ -32,7 +32,7 @@ def _cfg(spec: str, caps, **kw) -> ScenarioConfig:
     if kv == "bf16" and not ("bf16" in caps.kv_dtypes and "bf16" in caps.q_dtypes):
         kv = "fp16" if "fp16" in caps.kv_dtypes and "fp16" in caps.q_dtypes else kv
     base["kv_dtype"] = kv
-    base["q_dtype"] = kv if kv != "fp8" else ("bf16" if "bf16" in caps.q_dtypes else "fp16")
+    base["q_dtype"] = kv if kv not in ("fp8", "fp8_e4m3") else ("bf16" if "bf16" in caps.q_dtypes else "fp16")
     if caps.page_sizes is not None and base["page_size"] not in caps.page_sizes:
         seq = base["page_size"] * base["max_pages_per_seq"]
         base["page_size"] = caps.page_sizes[-1]
@@ -64,14 +64,19 @@ def _seq(cfg, *lens):
     return [min(x, cfg.max_seq_len) for x in lens]
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "fp8_e4m3"])
 def test_replay_with_longer_batch_than_captured(mla_backend_ref, mla_graph_mode, mla_spec, mla_capabilities, mla_corpus, kv_dtype):
-    """Capture with short rows, replay rows that cross pages and splits (stale plan/addresses)."""
+    """Capture with short rows, replay rows that cross pages and splits (stale plan/addresses);
+    with the per-tensor FP8 cache, the layer's scale also changes after the capture (a scale
+    tensor re-created per build keeps the capture-time value)."""
     cfg = _cfg(mla_spec, mla_capabilities, kv_dtype=kv_dtype)
     steps = [{"op": "capture", "size": 4, "batch": _draw(1, _seq(cfg, 1, 2))},
              {"op": "replay", "size": 4, "batch": _draw(2, _seq(cfg, cfg.max_seq_len, 17, 40)), "poison": False},
              {"op": "replay", "size": 4, "batch": _draw(3, _seq(cfg, 5, cfg.max_seq_len - 1, 33, 64)),
               "poison": True}]
+    if kv_dtype == "fp8_e4m3":
+        for step, scale in zip(steps, (1.0, 0.5, 2.0)):
+            step["batch"]["k_scale"] = scale
     _check(mla_backend_ref, mla_graph_mode, cfg, steps, mla_capabilities, mla_corpus)
 
 

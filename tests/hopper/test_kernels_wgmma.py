@@ -47,15 +47,19 @@ def _resolve(q, kv, kernel, cap=_HOPPER, **kw):
 def test_route_table_is_well_formed():
     """Every row names a kernel of ``KERNELS`` whose blocks and cache kind it fits, a known
     platform, cache and decode kind, a non-empty row range, and (CUDA rows) the results json
-    behind its choice, which exists in ``benchmarks/results``."""
+    behind its choice, which exists in ``benchmarks/results``. Hopper rows name a Gluon kernel,
+    except the per-tensor e4m3 cache's, which name the Triton kernel and say why."""
     assert tuple(KERNELS) == KERNEL_NAMES
     for r in ROUTES:
         k = KERNELS[r.kernel]
-        assert r.platform in ("hopper", "cuda", "cpu") and r.cache in ("16-bit", "fp8", "any")
+        assert r.platform in ("hopper", "cuda", "cpu") and r.cache in ("16-bit", "fp8", "fp8_e4m3", "any")
         assert r.decode in ("dense", "sparse", "any") and 1 <= r.rows[0] <= r.rows[1], r
         assert k.blocks is None or (r.block_m, r.block_n, r.num_warps) in k.blocks, r.name
         assert k.cache in ("any", r.cache), r.name
-        assert (r.platform == "hopper") == (r.kernel != "triton"), r.name
+        if r.cache == "fp8_e4m3":
+            assert r.kernel == "triton" and (r.platform != "hopper" or "no Gluon kernel reads it" in r.why), r.name
+        else:
+            assert (r.platform == "hopper") == (r.kernel != "triton"), r.name
         if r.platform != "cpu":
             cited = re.findall(r"[\w.*-]+\.json", r.why)
             assert cited, r.name
@@ -71,6 +75,8 @@ def _facts(route, rows):
     spec = ModelSpec.tiny(num_heads=rows) if cpu else ModelSpec(num_heads=rows)
     kw = dict(fp8=route.cache == "fp8", sparse=route.decode == "sparse",
               batch=route.max_batch if route.max_batch is not None else None)
+    if route.cache == "fp8_e4m3":
+        kw["fp8_e4m3"] = True
     if not cpu:
         kw["capability"] = _HOPPER if route.platform == "hopper" else (8, 0)
     return spec, 1, torch.device("cpu" if cpu else "cuda"), kw
@@ -115,6 +121,36 @@ def test_default_configs_on_cuda_devices():
     assert default_config(ModelSpec(num_heads=16, fp8_group=64), 1, cuda, capability=_HOPPER).kernel == "wgmma_kt"
     assert default_config(h16, 1, cuda, fp8=True, sparse=True, capability=_HOPPER).kernel == "triton"
     assert default_config(ModelSpec(num_heads=128), 1, cuda, fp8=True, capability=(10, 0)).kernel == "triton"
+
+
+def test_fp8_e4m3_cache_never_takes_a_gluon_kernel():
+    """The per-tensor e4m3 cache (fp8_e4m3) runs the Triton kernel on every platform and shape by
+    a route of its own that says why (no Gluon kernel reads it), never a fallback; a config naming
+    a Gluon kernel is refused for it by ``resolve`` with the cache kind named; ``fp8`` and
+    ``fp8_e4m3`` together are refused."""
+    cuda = torch.device("cuda")
+    for heads in (16, 20, 128):
+        for s_q in (1, 2, 4):
+            for batch in (None, 1, 64):
+                for cap in (_HOPPER, (8, 0), (10, 0)):
+                    cfg = default_config(ModelSpec(num_heads=heads), s_q, cuda, fp8_e4m3=True, batch=batch,
+                                         capability=cap)
+                    assert cfg.kernel == "triton" and not cfg.fp8_grouped, (heads, s_q, cap, cfg)
+                    assert "/fp8_e4m3/" in cfg.reason or "/any/" in cfg.reason, cfg.reason
+                    if cap == _HOPPER:
+                        assert "no Gluon kernel reads it" in cfg.reason
+            sparse = default_config(ModelSpec(num_heads=heads), 1, cuda, fp8_e4m3=True, sparse=True, capability=_HOPPER)
+            assert sparse.kernel == "triton"
+    e4m3 = _b16(dtype=torch.float8_e4m3fn)
+    for kernel in KERNEL_NAMES:
+        if kernel == "triton":
+            continue
+        k = KERNELS[kernel]
+        kw = dict(zip(("block_m", "block_n", "num_warps"), k.blocks[0]))
+        name, why = _resolve(_q(16 if kw["block_m"] == 16 else 128, 1, batch=8), e4m3, kernel, **kw)
+        assert name == "triton" and "fp8_e4m3 cache" in why and why.startswith(kernel), (kernel, why)
+    with pytest.raises(ValueError, match="give one"):
+        default_config(ModelSpec(num_heads=16), 1, cuda, fp8=True, fp8_e4m3=True, capability=_HOPPER)
 
 
 def test_config_kernel_and_reason():

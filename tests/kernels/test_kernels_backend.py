@@ -28,7 +28,8 @@ def batch_of(case, *, next_n, pad_to=None, kv_dtype="bf16", max_decode_len=None)
             slots[b, i] = case.slot(b, L - ql + i)
     return DecodeBatch(seq_lens=case.seq_lens.cpu(), q_lens=case.q_lens.cpu(), block_table=case.block_table.cpu(),
                        slot_mapping=slots, page_size=case.page_size, next_n=next_n, pad_to=pad_to,
-                       kv_dtype=kv_dtype, null_block=case.null_block, max_decode_len=max_decode_len)
+                       kv_dtype=kv_dtype, null_block=case.null_block, max_decode_len=max_decode_len,
+                       k_scale=case.k_scale if kv_dtype == "fp8_e4m3" else None)
 
 
 def padded_q(case, pad):
@@ -77,7 +78,7 @@ def padded_case(draw):
     seq, ql = draw(lens_strategy(max_batch=3, max_len=50, s_q=next_n, page_size=8))
     extra = draw(st.integers(0, 3))
     width = draw(st.integers(max(ql + [0]), next_n))  # max_decode_len may be < next_n
-    kv = draw(st.sampled_from(["bf16", "fp8"]))
+    kv = draw(st.sampled_from(["bf16", "fp8", "fp8_e4m3"]))
     seed = draw(st.integers(0, 2 ** 16))
     return heads, next_n, seq, ql, extra, width, kv, seed
 
@@ -97,7 +98,8 @@ def test_padding_never_reaches_real_rows(args):
     out = torch.full((pad, next_n, heads, spec.kv_lora_rank), float("nan"), dtype=case.q.dtype)
     out, lse = be.forward(padded_q(case, pad), case.kv_cache, md, out=out)
     assert (out[B:] == 0).all() and torch.isneginf(lse[B:]).all()
-    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
+                             k_scale=case.k_scale)
     assert_decode_close(out[:B], lse[:B], *ref, tol=TOL_INTERP[case.q.dtype], what=f"seq={seq} ql={ql} pad={pad}")
     # padded rows have no tiles, so the plan for real rows is the same: bitwise equal
     md0 = be.build(batch_of(case, next_n=next_n, kv_dtype=kv, max_decode_len=width))
@@ -126,7 +128,7 @@ def test_default_configs_follow_the_padded_batch(monkeypatch):
     import mla_fuzz.kernels.backend as kb
     asked = []
 
-    def fake(spec, s_q, device=None, *, fp8=False, sparse=False, batch=None):
+    def fake(spec, s_q, device=None, *, fp8=False, sparse=False, batch=None, fp8_e4m3=False):
         asked.append(batch)
         parts = 9 if batch == 6 else (2 if batch is not None and batch <= 4 else 3)
         return DecodeConfig(block_m=16, block_n=16, num_parts=parts, min_tiles_per_part=1)
@@ -212,14 +214,14 @@ def _layer_check(spec, kv, fp8_out, device, seq, ql, next_n, pad, tol):
     B = len(seq)
     y_ref = mla_ref.mla_layer_decode_absorbed(w, hidden[:B], pos[:B], ref_cache, case.block_table, case.seq_lens,
                                               batch.slot_mapping.to(device), spec=spec, q_lens=case.q_lens,
-                                              fp8_out=fp8_out)
+                                              fp8_out=fp8_out, k_scale=case.k_scale)
     assert torch.isfinite(y[:B]).all()
     err = (y[:B].float() - y_ref.float()).abs().max().item()
     assert err <= tol * max(1.0, y_ref.float().abs().max().item()), f"layer error {err}"
     assert torch.equal(ours_cache.view(torch.uint8), ref_cache.view(torch.uint8)), "cache writes differ"
 
 
-@pytest.mark.parametrize("kv,fp8_out", [("bf16", False), ("bf16", True), ("fp8", True)])
+@pytest.mark.parametrize("kv,fp8_out", [("bf16", False), ("bf16", True), ("fp8", True), ("fp8_e4m3", True)])
 def test_layer_matches_reference(kv, fp8_out):
     # interpreter: fp32 dots like the reference; the bf16 activations round identically
     _layer_check(ModelSpec.tiny(num_heads=5), kv, fp8_out, "cpu", seq=[7, 1, 33], ql=[2, 1, 1], next_n=2, pad=5,
@@ -229,7 +231,7 @@ def test_layer_matches_reference(kv, fp8_out):
 # --------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8_e4m3"])
 def test_layer_matches_reference_gpu(kv):
     _layer_check(ModelSpec(), kv, True, "cuda", seq=[700, 1, 2000, 64], ql=[2, 1, 2, 1], next_n=2, pad=8, tol=3e-2)
 

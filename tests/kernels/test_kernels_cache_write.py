@@ -14,13 +14,16 @@ from mla_fuzz.kernels import ops
 SPEC = ModelSpec.tiny()
 
 
-def _write_both(spec, kv_dtype, latent, rope, slots, num_blocks, page, device="cpu"):
-    """The same write through the reference and the kernel, on NaN-poisoned caches."""
+def _write_both(spec, kv_dtype, latent, rope, slots, num_blocks, page, device="cpu", k_scale=2.0 ** -5):
+    """The same write through the reference and the kernel, on NaN-poisoned caches (an
+    fp8_e4m3 cache with ``k_scale``, an fp32 ``[1]`` tensor on ``device``)."""
     ref = mla_ref.make_kv_cache(spec, num_blocks, page, kv_dtype, fill=float("nan"), device=device)
     out = ref.clone()
     before = ref.clone()
-    mla_ref.write_kv_cache(ref, latent, rope, slots, spec=spec)
-    ops.write_kv_cache(out, latent, rope, slots, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group)
+    ks = torch.tensor([k_scale], dtype=torch.float32, device=device) if kv_dtype == "fp8_e4m3" else None
+    mla_ref.write_kv_cache(ref, latent, rope, slots, spec=spec, k_scale=ks)
+    ops.write_kv_cache(out, latent, rope, slots, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group,
+                       k_scale=ks)
     return before, ref, out
 
 
@@ -29,10 +32,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kv_dtype=st.sampled_from(["bf16", "fp16", "fp8"]),
+@given(kv_dtype=st.sampled_from(["bf16", "fp16", "fp8", "fp8_e4m3"]),
        in_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
        T=st.integers(0, 40), page=st.sampled_from([1, 4, 16]), data=st.data())
 def test_cache_write_matches_reference_bitwise(kv_dtype, in_dtype, T, page, data):
+    """(fp8_e4m3 at k_scale 2**-5: the magnitudes below reach past 448 * k_scale -- saturation --
+    and below the subnormal step.)"""
     num_blocks = max(2, -(-T // page) + 1)
     n_slots = num_blocks * page
     chosen = data.draw(st.lists(st.integers(0, n_slots - 1), min_size=T, max_size=T, unique=True)) if T <= n_slots else []
@@ -95,7 +100,7 @@ def test_cache_write_rejects_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8", "fp8_e4m3"])
 def test_cache_write_matches_reference_gpu(kv_dtype):
     spec = ModelSpec()
     g = torch.Generator().manual_seed(3)

@@ -26,7 +26,7 @@ def cpu_case(draw):
     s_q = draw(st.integers(1, 4))
     page = draw(st.sampled_from([1, 4, 8, 16]))
     seq, ql = draw(lens_strategy(max_batch=4, max_len=70, s_q=s_q, page_size=page))
-    kv = draw(st.sampled_from(["bf16", "fp16", "fp8"]))
+    kv = draw(st.sampled_from(["bf16", "fp16", "fp8", "fp8_e4m3"]))
     q_dtype = draw(st.sampled_from([None, torch.float32]))
     cfg = draw(st.sampled_from(_CPU_CONFIGS))
     seed = draw(st.integers(0, 2 ** 16))
@@ -40,9 +40,9 @@ def test_decode_matches_reference_interpreter(args):
     spec = ModelSpec.tiny(num_heads=heads)
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=page, kv_dtype=kv, q_dtype=q_dtype, seed=seed)
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                  q_lens=case.q_lens, config=cfg)
+                                  q_lens=case.q_lens, config=cfg, k_scale=case.k_scale)
     ref_out, ref_lse = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                          q_lens=case.q_lens)
+                                          q_lens=case.q_lens, k_scale=case.k_scale)
     assert_decode_close(out, lse, ref_out, ref_lse, tol=TOL_INTERP[case.q.dtype],
                         what=f"h={heads} s_q={s_q} page={page} seq={seq} ql={ql} {kv} {cfg.num_parts} parts")
 
@@ -175,7 +175,7 @@ def gpu_case(draw):
     heads = draw(st.sampled_from([16, 20, 128]))
     s_q = draw(st.sampled_from([1, 2, 4]))
     seq, ql = draw(lens_strategy(max_batch=6, max_len=2100, s_q=s_q, page_size=64))
-    kv = draw(st.sampled_from(["bf16", "fp16", "fp8"]))
+    kv = draw(st.sampled_from(["bf16", "fp16", "fp8", "fp8_e4m3"]))
     seed = draw(st.integers(0, 2 ** 16))
     return heads, s_q, seq, ql, kv, seed
 
@@ -189,23 +189,24 @@ def test_decode_matches_reference_gpu(args):
     spec = ModelSpec(num_heads=heads)
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=64, kv_dtype=kv, seed=seed, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                  q_lens=case.q_lens)
+                                  q_lens=case.q_lens, k_scale=case.k_scale)
     ref_out, ref_lse = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                          q_lens=case.q_lens)
+                                          q_lens=case.q_lens, k_scale=case.k_scale)
     assert_decode_close(out, lse, ref_out, ref_lse, tol=TOL_GPU[case.q.dtype],
                         what=f"h={heads} s_q={s_q} seq={seq} ql={ql} {kv}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8_e4m3"])
 def test_decode_long_split_gpu(kv):
     """One long request among short ones: the planner must split it across many parts."""
     spec = ModelSpec(num_heads=128)
     case = make_case(spec, seq_lens=[17000, 1, 0, 700], q_lens=[2, 1, 0, 2], s_q=2, page_size=64, kv_dtype=kv,
                      seed=7, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                  q_lens=case.q_lens)
-    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens)
+                                  q_lens=case.q_lens, k_scale=case.k_scale)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
+                             k_scale=case.k_scale)
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=kv)
 
 
@@ -457,37 +458,6 @@ def test_cuda_defaults_split_h16_x2_rows_in_two_blocks_at_small_batches(monkeypa
 
 
 # --------------------------------------------------------------------------- FP8 TMA path
-
-@pytest.fixture
-def e4m3_nan(monkeypatch):
-    """Give the interpreter e4m3fn's NaN codes: Triton's interpreter converts bytes
-    0x7F / 0xFF of ``float8e4nv`` to +-480 (seen on triton 3.9), where the GPU gives NaN, so
-    a NaN-poisoned FP8 *code* in the cache is harmless on the CPU and a missing mask on the
-    codes goes unseen. This wraps the interpreter's fp8 conversion to make those bytes NaN."""
-    import numpy as np
-    import triton.language as tl
-    try:
-        from triton.runtime import interpreter as interp
-        cls = type(interp.interpreter_builder)
-        original = cls.create_fp_to_fp
-    except Exception:  # pragma: no cover - another interpreter layout
-        pytest.skip("this Triton's interpreter has no create_fp_to_fp to patch")
-    nan_bits = {tl.float32: (np.uint32, 0x7FC00000), tl.bfloat16: (np.uint16, 0x7FC0),
-                tl.float16: (np.uint16, 0x7E00)}
-
-    def fp_to_fp(self, src, dst_type, rounding_mode):
-        res = original(self, src, dst_type, rounding_mode)
-        dst = dst_type.scalar
-        if src.dtype.scalar == tl.float8e4nv and dst in nan_bits:
-            as_int, bits = nan_bits[dst]
-            nan = (src.data & np.uint8(0x7F)) == np.uint8(0x7F)
-            data = res.data.copy()
-            data.view(as_int)[nan] = as_int(bits)
-            res = type(res)(data, res.dtype)
-        return res
-
-    monkeypatch.setattr(cls, "create_fp_to_fp", fp_to_fp)
-
 
 def _spy_launches(monkeypatch, ds):
     """Record ``(USE_TMA, GROUPED, num_stages)`` of every decode_split launch."""

@@ -44,7 +44,7 @@ def sparse_case(draw):
     s_q = draw(st.integers(1, 3))
     page = draw(st.sampled_from([1, 4, 16]))
     seq, ql = draw(lens_strategy(max_batch=3, max_len=70, s_q=s_q, page_size=page))
-    kv = draw(st.sampled_from(["bf16", "fp16", "fp8"]))
+    kv = draw(st.sampled_from(["bf16", "fp16", "fp8", "fp8_e4m3"]))
     topk = draw(st.sampled_from([1, 7, 16, 40]))
     with_len = draw(st.booleans())
     cfg = draw(st.sampled_from(_CPU_CONFIGS))
@@ -61,9 +61,9 @@ def test_sparse_decode_matches_reference_interpreter(args):
     idx = random_selection(case, s_q, topk, gen, dup=dup)
     tl = torch.randint(0, topk + 1, (case.batch,), generator=gen, dtype=torch.int32) if with_len else None
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                  q_lens=case.q_lens, indices=idx, topk_length=tl, config=cfg)
+                                  q_lens=case.q_lens, indices=idx, topk_length=tl, config=cfg, k_scale=case.k_scale)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
-                             indices=idx, topk_length=tl)
+                             indices=idx, topk_length=tl, k_scale=case.k_scale)
     assert_decode_close(out, lse, *ref, tol=TOL_INTERP[case.q.dtype],
                         what=f"h={heads} s_q={s_q} seq={seq} ql={ql} {kv} topk={topk} len={tl} dup={dup}")
 
@@ -104,7 +104,8 @@ def ragged_batch(case, *, next_n, topk, pad_to, gen, kv_dtype="bf16"):
     return DecodeBatch(seq_lens=case.seq_lens, q_lens=case.q_lens, block_table=case.block_table, slot_mapping=slots,
                        page_size=case.page_size, next_n=next_n, pad_to=pad_to, kv_dtype=kv_dtype,
                        topk_flat=torch.tensor(flat, dtype=torch.int32),
-                       topk_indptr=torch.tensor(indptr, dtype=torch.int32), topk=topk)
+                       topk_indptr=torch.tensor(indptr, dtype=torch.int32), topk=topk,
+                       k_scale=case.k_scale if kv_dtype == "fp8_e4m3" else None)
 
 
 def padded(q, pad):
@@ -151,7 +152,7 @@ def test_ragged_buffers_stable_and_no_stale_tail():
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2 ** 16), st.sampled_from(["bf16", "fp8"]))
+@given(st.integers(0, 2 ** 16), st.sampled_from(["bf16", "fp8", "fp8_e4m3"]))
 def test_ragged_backend_sequence_matches_reference(seed, kv):
     """Several steps of shrinking/growing nnz through one backend, each vs the reference."""
     spec = ModelSpec.tiny(num_heads=3)
@@ -167,7 +168,7 @@ def test_ragged_backend_sequence_matches_reference(seed, kv):
         md = be.build(batch)
         out, lse = be.forward(padded(case.q, 4), case.kv_cache, md)
         ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                 q_lens=case.q_lens, indices=batch.dense_topk())
+                                 q_lens=case.q_lens, indices=batch.dense_topk(), k_scale=case.k_scale)
         assert_decode_close(out[:B], lse[:B], *ref, tol=TOL_INTERP[case.q.dtype], what=f"step {step} seq={seq}")
 
 
@@ -191,7 +192,7 @@ def test_ragged_batch_validation_and_roundtrip():
 # --------------------------------------------------------------------------- indexer
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2 ** 16), st.sampled_from(["bf16", "fp8"]), st.sampled_from([1, 5, 64]),
+@given(st.integers(0, 2 ** 16), st.sampled_from(["bf16", "fp8", "fp8_e4m3"]), st.sampled_from([1, 5, 64]),
        st.integers(1, 3), st.integers(1, 3))
 def test_indexer_matches_reference(seed, kv, topk, s_q, width_less):
     """The device indexer picks exactly the reference's slots, in the same order, reading
@@ -205,13 +206,14 @@ def test_indexer_matches_reference(seed, kv, topk, s_q, width_less):
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=4, kv_dtype=kv, seed=seed)
     w = IndexerWeights.random(spec, seed)
     ref = mla_ref.indexer_topk(w, case.q, case.kv_cache, case.block_table, case.seq_lens, case.q_lens, topk,
-                               spec=spec)
+                               spec=spec, k_scale=case.k_scale)
     flat = torch.full((B * s_q + 5,), 999, dtype=torch.int32)  # spare tail: never read
     ctx = flat[:B * width].view(B, width)
     ctx.copy_(host_context_lens(case.seq_lens, case.q_lens, width, B))
     out = torch.full((B, s_q, topk + 3), 7, dtype=torch.int32)
     indexer_topk(case.q, case.kv_cache, case.block_table, ctx, torch.tensor([width], dtype=torch.int32),
-                 w.w_q, w.w_k, w.head_w, out, topk, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group)
+                 w.w_q, w.w_k, w.head_w, out, topk, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group,
+                 k_scale=case.k_scale)
     assert torch.equal(out[:, :, :topk], ref)
     assert (out[:, :, topk:] == -1).all()
     # the reference itself: each real token picks min(topk, visible) distinct visible slots
@@ -256,7 +258,7 @@ def test_indexer_backend_step_matches_reference():
 # --------------------------------------------------------------------------- GPU, DeepSeek size
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8_e4m3"])
 @pytest.mark.parametrize("s_q", [1, 2])
 def test_sparse_decode_deepseek_gpu(kv, s_q):
     """h=128, d_qk 576, topk 2048 (DeepSeek-V3.2), default launch config, vs the reference."""
@@ -269,9 +271,9 @@ def test_sparse_decode_deepseek_gpu(kv, s_q):
     idx = random_selection(cpu_case, s_q, 2048, torch.Generator().manual_seed(1)).cuda()
     tl = torch.tensor([2048, 2000, 2048, 5], dtype=torch.int32, device="cuda")
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
-                                  q_lens=case.q_lens, indices=idx, topk_length=tl)
+                                  q_lens=case.q_lens, indices=idx, topk_length=tl, k_scale=case.k_scale)
     ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec, q_lens=case.q_lens,
-                             indices=idx, topk_length=tl)
+                             indices=idx, topk_length=tl, k_scale=case.k_scale)
     assert_decode_close(out, lse, *ref, tol=TOL_GPU[torch.bfloat16], what=f"{kv} s_q={s_q}")
 
 
