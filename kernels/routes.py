@@ -124,10 +124,13 @@ ROUTES: tuple = (
     R("cuda", "fp8_e4m3", "dense", (17, _ANY), None, "triton", 32, 16, 4, 2, 2, False,
       "per-tensor e4m3 cache above 16 rows: 32-row blocks of 16-key tiles, within the shared memory of "
       "pre-Hopper GPUs at rank 512 with the widened keys (h200-2026-11-28-fp8-e4m3-smem.json; untuned)"),
-    # the sparse decode (its own kernel, the "cuda" rows on every GPU) fits the 16-bit blocks
-    R("cuda", "fp8_e4m3", "sparse", (17, 32), None, "triton", 32, 128, 8, 3, 2, False,
-      "per-tensor e4m3 sparse decode, 17-32 rows: the 16-bit blocks (measured on 16-bit caches, "
-      "h100-2026-11-26-config-sweep-pageconst.json; untuned for e4m3)"),
+    # the sparse decode (its own kernel, the "cuda" rows on every GPU): 32-key tiles up to 32 rows
+    # (16 rows of 128-key tiles needed 371 KB), the 16-bit blocks above (they fit: 128 rows, H200)
+    R("cuda", "fp8_e4m3", "sparse", (1, 16), None, "triton", 16, 32, 4, 2, 2, False,
+      "per-tensor e4m3 sparse decode up to 16 rows: 32-key tiles (the 16-bit rows' 128-key tiles exceed "
+      "shared memory with the widened keys, h200-2026-11-28-fp8-e4m3-smem.json; untuned)"),
+    R("cuda", "fp8_e4m3", "sparse", (17, 32), None, "triton", 32, 32, 4, 2, 2, False,
+      "per-tensor e4m3 sparse decode, 17-32 rows: 32-key tiles (h200-2026-11-28-fp8-e4m3-smem.json; untuned)"),
     R("cuda", "fp8_e4m3", "sparse", (33, _ANY), None, "triton", 64, 64, 8, 2, 2, False,
       "per-tensor e4m3 sparse decode above 32 rows: the 16-bit blocks (measured on 16-bit caches, "
       "h100-2026-11-26-config-sweep-pageconst.json; untuned for e4m3)"),

@@ -236,17 +236,19 @@ def test_ops_require_k_scale_for_fp8_e4m3_and_refuse_it_otherwise():
 # --------------------------------------------------------------------------- GPU, DeepSeek size
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("capability", [None, (8, 0)], ids=["this-gpu", "pre-hopper-route"])
 @pytest.mark.parametrize("heads,s_q", [(16, 1), (16, 2), (128, 1), (128, 2), (20, 4)])
-def test_fp8_e4m3_default_routes_match_reference_gpu(heads, s_q):
+def test_fp8_e4m3_default_routes_match_reference_gpu(heads, s_q, capability):
     """The default route of each shape (the Triton kernel, on Hopper too) at DeepSeek size: a
     long request split over many parts, lengths around tile and page edges, an empty request,
-    NaN codes past every length; and the sparse decode of the same cache."""
+    NaN codes past every length; and the sparse decode of the same cache. ``capability (8, 0)``
+    runs the blocks a pre-Hopper GPU gets (the "cuda" rows) on this one."""
     spec = ModelSpec(num_heads=heads)
     seq = [9000, 1, 0, 63, 64, 65, 2000]
     ql = [s_q, 1, 0, 1, min(s_q, 64), s_q, s_q]
     case = make_case(spec, seq_lens=seq, q_lens=ql, s_q=s_q, page_size=64, kv_dtype="fp8_e4m3", seed=23,
                      device="cuda", k_scale=0.03)
-    cfg = default_config(spec, s_q, torch.device("cuda"), fp8_e4m3=True, batch=len(seq))
+    cfg = default_config(spec, s_q, torch.device("cuda"), fp8_e4m3=True, batch=len(seq), capability=capability)
     assert cfg.kernel == "triton"
     sched = SchedState(cfg)
     out, lse = kernels.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
