@@ -7,6 +7,14 @@ in the parent: counts and coverage add up, failures are deduplicated by
 ``harness.repro.signature`` and each distinct one is written to the corpus (atomically)
 as soon as it arrives -- so Ctrl-C or a killed worker never loses a repro already found.
 
+A failure is reported the moment a worker first sees it (its ``found`` message): the
+finding, its unshrunk repro in the corpus and a live line, before Hypothesis shrinks it.
+The chunk's shrunk, diagnosed repro then replaces that file in the same finding; if it
+never comes (the worker died, the campaign was killed), the unshrunk repro is the finding.
+Every time (``found_at_s``, ``elapsed``, the budget) counts from the command's start
+(``CampaignOptions.started_at``). Counts (examples, steps, coverage) are of searched
+examples only; shrink re-runs and diagnosis time are counted apart.
+
 A worker that dies or hangs mid-step becomes a ``crash`` / ``hang`` failure with a repro
 built from its in-flight scenario (``harness.crash_repro``), reduced in fresh workers, and
 the campaign goes on with a restarted worker.
@@ -83,6 +91,13 @@ class CampaignOptions:
     shard: tuple = (0, 1)
     # the longest sequence drawn; None: per spec and device (fuzz.default_max_seq_len)
     max_seq_len: int | None = None
+    # when the user started the command (epoch seconds, e.g. the process start of
+    # ``mla-fuzz run``): the campaign's clock counts from there; None = when ``run()`` starts
+    started_at: float | None = None
+
+
+#: The class of a failure seen but not yet shrunk and diagnosed (its repro has no diagnosis).
+UNDIAGNOSED = "undiagnosed"
 
 
 @dataclass
@@ -96,15 +111,19 @@ class Finding:
     path: Path | None
     repro: dict
     count: int = 1
-    found_at_s: float = 0.0
-    examples_to_detect: int | None = None
-    reduced_from: int | None = None
+    found_at_s: float = 0.0                # first sight, seconds from the command's start
+    examples_to_detect: int | None = None  # searched examples of the campaign up to the first sight
+    reduced_from: int | None = None        # steps before shrinking / crash reduction
+    shrunk: bool = True                    # False: the repro is the failure as first seen (undiagnosed)
+    reduced_at_s: float | None = None      # when the shrunk, diagnosed repro was written
 
     def to_dict(self) -> dict:
         return {"signature": self.signature, "class": self.cls, "oracle": self.oracle, "message": self.message,
                 "path": None if self.path is None else str(self.path), "count": self.count,
                 "steps": len(self.repro["steps"]), "found_at_s": round(self.found_at_s, 3),
-                "examples_to_detect": self.examples_to_detect, "reduced_from": self.reduced_from}
+                "examples_to_detect": self.examples_to_detect, "reduced_from": self.reduced_from,
+                "shrunk": self.shrunk,
+                "reduced_at_s": None if self.reduced_at_s is None else round(self.reduced_at_s, 3)}
 
 
 @dataclass
@@ -129,6 +148,10 @@ class CampaignResult:
     state: str = "starting"
     startup_s: float | None = None                    # until the first worker was ready
     chunks_run: list = field(default_factory=list)    # [k, seed] of every chunk dispatched
+    setup_s: float = 0.0                              # command start -> campaign start (imports, checks)
+    shrink_runs: int = 0                              # scenarios re-run by Hypothesis' shrinking
+    shrink_s: float = 0.0                             # chunk time from first sight to the end of the search
+    diagnose_s: float = 0.0                           # chunk time spent diagnosing the failures found
 
     @property
     def rate(self) -> float:
@@ -142,6 +165,8 @@ class CampaignResult:
             "case_timeout_s": o.case_timeout, "chunk": o.chunk, "corpus": str(o.corpus),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             "elapsed_s": round(self.elapsed, 3), "examples": self.examples, "steps": self.steps,
+            "shrink_runs": self.shrink_runs, "shrink_s": round(self.shrink_s, 3),
+            "diagnose_s": round(self.diagnose_s, 3), "setup_s": round(self.setup_s, 3),
             "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
             "cases_per_s": round(self.rate, 3), "chunks": self.chunks, "restarts": self.restarts,
             "interrupted": self.interrupted, "coverage": self.coverage,
@@ -225,6 +250,8 @@ class CampaignRun:
                     f"shard {i}/{n} has no chunks to run: --examples {opts.examples} in chunks of {opts.chunk} "
                     f"make {-(-opts.examples // opts.chunk)} chunk(s), fewer than the {n} shards")
         self._live: dict[str, _Live] = {}
+        # task id -> its first sight: {"at", "examples", "key", "sig" (the finding it made, or None)}
+        self._sights: dict[str, dict] = {}
         self._reducers: dict[str, StepReducer] = {}   # signature -> reducer
         self._reducing: dict[str, str] = {}           # task id -> signature
         self._known: set[str] = set()                 # failure keys found so far (oracles.failure_key)
@@ -264,6 +291,11 @@ class CampaignRun:
         if handle_sigint and threading.current_thread() is threading.main_thread():
             old_handler = signal.signal(signal.SIGINT, lambda *_: self.interrupt())
         self._t0 = time.monotonic()
+        if opts.started_at is not None:
+            # the clock counts from the command's start (process start of ``mla-fuzz run``)
+            self.result.setup_s = max(0.0, time.time() - opts.started_at)
+            self._t0 -= self.result.setup_s
+            self.result.started = opts.started_at
         try:
             pool.start()
             self.result.state = "starting workers"
@@ -466,8 +498,12 @@ class CampaignRun:
                     if cfg is not None:
                         live.note(scenario_coverage(cfg))
             return
+        if ev.kind == "found":
+            self._sighted(tid, ev.msg)
+            return
         if ev.kind == "error":
             self._live.pop(tid, None)
+            self._sights.pop(tid, None)  # a finding it made keeps its unshrunk repro
             self._reducing.pop(tid, None)
             self.result.errors.append(f"{ev.msg.get('error')}" + (
                 "" if ev.msg.get("kind") == "input" else "\n" + (ev.msg.get("traceback") or "")))
@@ -482,6 +518,9 @@ class CampaignRun:
             self.result.chunks += 1
             self.result.examples += int(rep.get("examples") or 0)
             self.result.steps += int(rep.get("steps") or 0)
+            self.result.shrink_runs += int(rep.get("shrink_runs") or 0)
+            self.result.shrink_s += float(rep.get("shrink_seconds") or 0.0)
+            self.result.diagnose_s += float(rep.get("diagnose_seconds") or 0.0)
             merge_coverage(self.result.coverage, rep.get("coverage"))
             self.result.unsupported.update(rep.get("unsupported") or {})
             if rep.get("capabilities") and self.result.capabilities is None:
@@ -494,7 +533,14 @@ class CampaignRun:
                 if self.display is not None:
                     self.display.note("warning: " + self.result.warnings[-1])
             if rep.get("repro") is not None:
-                self._found(rep["repro"], rep.get("examples_to_detect"))
+                self._found(rep["repro"], rep.get("examples_to_detect"), tid)
+            elif tid in self._sights:
+                sight = self._sights.pop(tid)
+                f = self.result.findings.get(sight.get("sig"))
+                if f is not None and not f.shrunk:
+                    self.result.warnings.append(
+                        f"chunk {task.get('chunk')} (seed {task.get('seed')}) ended without a shrunk repro of the "
+                        f"failure it found at {sight['at']:.1f}s; the unshrunk repro is kept: {f.path}")
             return
         if ev.kind in ("died", "hung"):
             self._process_failure(ev, task)
@@ -531,48 +577,140 @@ class CampaignRun:
                 self.result.error_kind = "internal"
             return
         self._blind = 0
-        new = self._found(repro, None)
+        # a death while diagnosing the chunk's failure finishes the finding its first sight made
+        new = self._found(repro, None, tid)
         # under MPS a candidate's "death" may be a neighbour's fault: no reduction there
         if new and self.opts.reduce and not self.opts.mps and len(repro["steps"]) > 1:
             self._reducers[signature(repro)] = StepReducer(repro["steps"])
 
-    def _found(self, repro: dict, examples_to_detect) -> bool:
+    def _note(self, text: str) -> None:
+        if self.display is not None:
+            self.display.note(text)
+
+    def _sighted(self, tid: str, msg: dict) -> None:
+        """A chunk's first failure, as seen, before shrinking: a finding with its unshrunk
+        repro written now, unless the same failure (key) is already reported."""
+        repro = msg.get("repro")
+        if not isinstance(repro, dict) or not repro.get("steps"):
+            return
+        fail = repro.get("failure") or {}
+        key = _key(repro)
+        at = self._elapsed()
+        examples = self.result.examples + sum(v.examples for v in self._live.values())
+        sight = {"at": at, "examples": examples, "key": key, "sig": None}
+        self._sights[tid] = sight
+        self._known.add(key)  # chunks started from now on search past it
+        if any(_key(f.repro) == key for f in self.result.findings.values()):
+            return
+        sig = signature(repro)
+        path = write_repro(repro, self.opts.corpus)
+        self.result.findings[sig] = Finding(sig, UNDIAGNOSED, fail.get("oracle", "?"), fail.get("message", ""), path,
+                                            repro, found_at_s=at, examples_to_detect=examples, shrunk=False)
+        self.result.failures[UNDIAGNOSED] += 1
+        sight["sig"] = sig
+        self._note(f"{at:.1f}s: FOUND {fail.get('oracle')} failure at example {examples} (unshrunk, shrinking...): "
+                   f"{_short(fail.get('message', ''), 100)} -> {path}")
+
+    def _uncount(self, cls: str, n: int = 1) -> None:
+        self.result.failures[cls] -= n
+        if self.result.failures[cls] <= 0:
+            del self.result.failures[cls]
+
+    def _found(self, repro: dict, examples_to_detect, tid: str | None = None) -> bool:
         """Record a failure; write its repro if its signature is new (or it is smaller than
-        the one already written this campaign). True when the signature is new."""
+        the one already written this campaign). True when the signature is new.
+
+        The finding a first sight made for this failure (``_sighted``: same failure key, its
+        repro unshrunk) is finished by the first repro of that key to arrive, from task
+        ``tid`` or another chunk: same entry, first-sight time, the shrunk repro replacing
+        the unshrunk file. Each chunk's sighting counts once, whichever repro finishes it."""
         sig = signature(repro)
         cls = (repro.get("diagnosis") or {}).get("cls") or "unknown"
-        self.result.failures[cls] += 1
-        key = (repro.get("failure") or {}).get("key")
-        if key:
-            self._known.add(key)  # later chunks search past it
+        key = _key(repro)
+        fail = repro.get("failure") or {}
+        now = self._elapsed()
+        sight = self._sights.pop(tid, None) if tid is not None else None
+        if sight is not None and sight["key"] != key:
+            sight = None  # another failure (the worker died shrinking): its first sight stays unshrunk
+        at = now if sight is None else sight["at"]
+        examples = examples_to_detect if sight is None else sight["examples"]
+        # 1 for this repro's own occurrence, unless its sighting was already counted (below)
+        count = 0 if sight is not None and sight.get("counted") else 1
+        self._known.add(key)  # later chunks search past it
+        first = next((f for f in self.result.findings.values() if not f.shrunk and _key(f.repro) == key), None)
+        if first is not None:
+            self._uncount(UNDIAGNOSED)
+            if sight is None or sight.get("sig") != first.signature:
+                # another chunk's sighting: counted here; that chunk's own repro will not count it again
+                count += 1
+                for other in self._sights.values():
+                    if other.get("sig") == first.signature:
+                        other["counted"], other["sig"] = True, None
+            if first.found_at_s < at:
+                at, examples = first.found_at_s, first.examples_to_detect
+        self.result.failures[cls] += count
         old = self.result.findings.get(sig)
+        if first is not None and old is None:
+            # the first sight's entry becomes this signature's finding, in its place
+            self.result.findings = {(sig if k == first.signature else k): v for k, v in self.result.findings.items()}
+            first.signature, first.cls, first.oracle = sig, cls, fail.get("oracle", first.oracle)
+            first.count, first.found_at_s, first.examples_to_detect = count, at, examples
+            if len(repro["steps"]) < len(first.repro["steps"]):
+                first.reduced_from = len(first.repro["steps"])
+            first.shrunk, first.reduced_at_s = True, now
+            self._replace(first, repro, how="shrunk and diagnosed")
+            return True
+        if first is not None:
+            # this signature is already reported: its entry absorbs the first sight
+            del self.result.findings[first.signature]
+            self._drop(first, old)
         if old is not None:
-            old.count += 1
+            old.count += count
+            if at < old.found_at_s:
+                old.found_at_s, old.examples_to_detect = at, examples
             if _size(repro) < _size(old.repro):
                 self._replace(old, repro)
             return False
         path = write_repro(repro, self.opts.corpus)
-        fail = repro.get("failure") or {}
         self.result.findings[sig] = Finding(sig, cls, fail.get("oracle", "?"), fail.get("message", ""), path, repro,
-                                            found_at_s=self._elapsed(), examples_to_detect=examples_to_detect)
-        if self.display is not None:
-            self.display.note(f"{cls}: [{fail.get('oracle')}] {_short(fail.get('message', ''))} -> {path}")
+                                            count=max(count, 1), found_at_s=at, examples_to_detect=examples,
+                                            reduced_at_s=now)
+        if count == 0:
+            self.result.failures[cls] += 1
+        self._note(f"{cls}: [{fail.get('oracle')}] {_short(fail.get('message', ''))} -> {path}")
         return True
 
-    def _replace(self, finding: Finding, repro: dict) -> None:
-        """Swap in a smaller repro of the same signature: the new file is complete before the
-        old one goes, so the corpus always holds one of them."""
-        path = write_repro(repro, self.opts.corpus)
-        if finding.path is not None and finding.path != path:
+    def _drop(self, first: Finding, into: Finding) -> None:
+        """Remove the unshrunk repro of a first sight that turned out to be a failure already
+        reported; the line that named its file says where that failure is."""
+        if first.path is not None and first.path != into.path:
             try:
-                finding.path.unlink()
+                first.path.unlink()
             except OSError:
                 pass
-            if self.display is not None:  # the line that named the old file must not mislead
-                self.display.note(f"{finding.cls}: {finding.path} replaced by a smaller repro -> {path}")
+            self._note(f"{into.cls}: the unshrunk {first.path} was replaced: the same failure is {into.path}")
+
+    def _replace(self, finding: Finding, repro: dict, how: str = "smaller") -> None:
+        """Swap in a smaller (or the shrunk, diagnosed) repro of the same failure: the new file
+        is complete before the old one goes, so the corpus always holds one of them."""
+        path = write_repro(repro, self.opts.corpus)
+        old = finding.path
+        if old is not None and old != path:
+            try:
+                old.unlink()
+            except OSError:
+                pass
         finding.path = path
         finding.repro = repro
         finding.message = (repro.get("failure") or {}).get("message", finding.message)
+        if how == "smaller":
+            if old is not None and old != path:  # the line that named the old file must not mislead
+                self._note(f"{finding.cls}: {old} replaced by a smaller repro -> {path}")
+            return
+        steps = len(repro["steps"])
+        was = "" if finding.reduced_from is None else f" (from {finding.reduced_from})"
+        self._note(f"{self._elapsed():.1f}s: {finding.cls}: [{finding.oracle}] {_short(finding.message, 100)} -> "
+                   f"{path} ({how}: {steps} step(s){was}; replaces the unshrunk {old})")
 
     def _reduced(self, sig: str, reproduced: bool) -> None:
         red = self._reducers[sig]
@@ -590,6 +728,12 @@ class CampaignRun:
             if finding.reduced_from is None:
                 finding.reduced_from = len(finding.repro["steps"])
             self._replace(finding, repro)
+
+
+def _key(repro: dict) -> str:
+    """The failure key of a repro (``oracles.failure_key``; the oracle for older repros)."""
+    f = repro.get("failure") or {}
+    return f.get("key") or f.get("oracle") or "?"
 
 
 def _short(text: str, n: int = 140) -> str:

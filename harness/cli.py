@@ -26,6 +26,35 @@ GRAPHS = ("auto", "cuda", "emulated", "eager")
 DEFAULT_BUDGET_S = 60.0
 DEFAULT_CASE_TIMEOUT_S = 300.0
 
+_IMPORTED = time.time()
+# When the user started this command (epoch seconds): the process start for the console
+# script, the call for an in-process ``main(argv)``; set by ``main``. Campaign times
+# (``found_at_s``, the budget) and the mutants' seconds to detect count from it.
+_COMMAND_START: float | None = None
+
+
+def process_start() -> float:
+    """Epoch time this process started (Linux ``/proc``, 10 ms ticks), so a time measured
+    from it includes the interpreter's start and every import; elsewhere the time this
+    module was imported."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+        if 0.0 <= age <= time.time() - _IMPORTED + 3600.0:
+            return time.time() - age
+    except (OSError, ValueError, IndexError):
+        pass
+    return _IMPORTED
+
+
+def command_start() -> float:
+    """``_COMMAND_START``, or now when ``main`` was not the caller."""
+    return time.time() if _COMMAND_START is None else _COMMAND_START
+
+
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|h|m|s)?", re.IGNORECASE)
 _UNIT = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, None: 1.0}
 
@@ -348,7 +377,7 @@ def cmd_run(args) -> int:
                            corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
                            case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce, mps=args.mps,
                            narrow=narrow, strict_contiguity=args.strict_contiguity, shard=shard,
-                           max_seq_len=_max_seq_len(args))
+                           max_seq_len=_max_seq_len(args), started_at=command_start())
     print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {args.spec}, seed {seed}, "
           + ("" if shard[1] == 1 else f"shard {shard[0]}/{shard[1]}, ")
           + f"{len(opts.worker_envs)} worker(s){' under MPS' if args.mps else ''}, "
@@ -425,6 +454,8 @@ def cmd_replay(args) -> int:
         print(f"== {path}\nbackend {backend}, graph {mode}" + (" (in a worker process)" if isolate or (
             isolate is None and _is_process(data)) else ""))
         print("recorded: " + _failure_text(data.get("failure"), data.get("diagnosis")))
+        if (data.get("search") or {}).get("unshrunk"):
+            print("(unshrunk: the failure as first seen, before shrinking and diagnosis)")
         # the timeout the repro was recorded with (a hang's), unless --case-timeout says otherwise
         recorded = (data.get("search") or {}).get("case_timeout_s")
         timeout = case_timeout if args.case_timeout is not None or not recorded else float(recorded)
@@ -527,15 +558,21 @@ def cmd_mutants(args) -> int:
           file=sys.stderr, flush=True)
 
     def on_row(row, done, total):
-        what = (f"caught after {row['examples_to_detect']} examples: {row['diagnosis']}" if row["caught"]
+        when = "" if row.get("seconds_to_detect") is None else f", first seen at {row['seconds_to_detect']:.1f}s"
+        what = (f"caught after {row['examples_to_detect']} examples{when}: {row['diagnosis']}" if row["caught"]
                 else f"nothing found in {row['examples']} examples")
         print(f"[{done}/{total}] {row['name']}: {what}" + (f" (error: {row['error']})" if row.get("error") else ""),
               file=sys.stderr, flush=True)
 
-    t0 = time.monotonic()
+    def on_sight(row_name, seconds, examples_seen):
+        print(f"[mla-fuzz] {seconds:.1f}s: {row_name}: FOUND at example {examples_seen} (shrinking...)",
+              file=sys.stderr, flush=True)
+
+    started = command_start()
     rows = run_matrix(refs, expected, graph=mode, spec=args.spec, examples=examples, seed=seed,
                       worker_envs=worker_envs(workers, mode), case_timeout=case_timeout, max_seq_len=max_seq_len,
-                      corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row)
+                      corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row, on_sight=on_sight,
+                      started_at=started)
     code, reasons = verdict(rows, strict=args.strict)
     _print_lines(table(MATRIX_HEADERS, matrix_rows(rows), indent=""))
     for r in reasons:
@@ -545,7 +582,7 @@ def cmd_mutants(args) -> int:
         code = code or EXIT_INTERRUPTED
     if args.json:
         write_json(args.json, matrix_json(rows, graph=mode, spec=args.spec, examples=examples, seed=seed,
-                                          seconds=time.monotonic() - t0) | {"exit_code": code})
+                                          seconds=time.time() - started) | {"exit_code": code})
     return code
 
 
@@ -621,6 +658,10 @@ COMMANDS = {"run": cmd_run, "replay": cmd_replay, "merge": cmd_merge, "mutants":
 
 def main(argv=None) -> int:
     """Entry point of the ``mla-fuzz`` console script; returns the exit status."""
+    global _COMMAND_START
+    # the console script / ``python -m`` (no argv): the user started the command when this
+    # process started; an in-process call starts it now
+    _COMMAND_START = process_start() if argv is None else time.time()
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)

@@ -34,6 +34,8 @@ class FuzzReport:
     repro: dict | None = None
     coverage: dict = field(default_factory=dict)
     shrink_runs: int = 0  # scenarios re-run while shrinking (not counted in ``examples``)
+    shrink_seconds: float = 0.0    # from the first sight of the failure to the end of the search
+    diagnose_seconds: float = 0.0  # the diagnosis re-runs of the failure found
     # reason -> scenarios the backend declined (``mla_ref.Unsupported`` / NotImplementedError)
     unsupported: dict = field(default_factory=dict)
     # failure key -> times a failure this campaign already reported was seen again
@@ -113,7 +115,7 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
          seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
          step_count: int = 6, max_seq_len: int | None = None, strict_contiguity: bool = False,
          on_step=None, shrink_seconds: float | None = None, should_stop=None, on_phase=None,
-         narrow: dict | None = None, known=()) -> FuzzReport:
+         narrow: dict | None = None, known=(), on_found=None) -> FuzzReport:
     """Search ``backend_ref`` for up to ``examples`` scenarios (or ``budget_s`` seconds).
 
     Returns a ``FuzzReport``; when a failure is found its minimal repro (with diagnosis)
@@ -123,7 +125,10 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     to ``max_seq_len`` tokens (default ``default_max_seq_len``). Hooks:
     ``on_step(cfg, steps)`` before each step (and with no steps before each scenario's
     backend is built), ``should_stop()`` polled between scenarios, ``on_phase(name, info)``
-    before the diagnosis re-runs (``"diagnose"``).
+    before the diagnosis re-runs (``"diagnose"``), ``on_found(repro, info)`` the moment the
+    first failure is seen, before shrinking: ``repro`` is its unshrunk, undiagnosed repro
+    (``search.unshrunk`` true; it replays to the same failure) and ``info`` has
+    ``examples_to_detect`` and ``seconds_to_detect`` (from this call's start).
     """
     spec = ModelSpec.from_name(spec) if isinstance(spec, str) else spec
     backend_cls = load_backend(backend_ref)
@@ -140,6 +145,15 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     t0 = time.monotonic()
     if budget_s is not None:
         camp.deadline = t0 + budget_s
+    if on_found is not None:
+        def first_sight(ff) -> None:
+            first = camp.stats.get("first_failure", {})
+            info = {"examples_to_detect": first.get("examples"),
+                    "seconds_to_detect": first.get("time", time.monotonic()) - t0}
+            search_info = {"seed": seed, "examples": camp.stats["examples"], "max_seq_len": camp.max_seq_len,
+                           "examples_to_detect": info["examples_to_detect"], "unshrunk": True}
+            on_found(make_repro(backend_ref, mode, ff.cfg, ff.steps, ff.failure, None, search_info), info)
+        camp.on_found = first_sight
     flaky = None
     try:
         found = search(camp, max_examples=examples, seed=seed, step_count=step_count, shrink=shrink,
@@ -162,19 +176,24 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
             found = None
         else:
             raise
+    t_end = time.monotonic()
     report = FuzzReport(backend_ref, mode, seed, camp.stats["examples"], camp.stats["steps"],
-                        time.monotonic() - t0, coverage=camp.stats["coverage"],
+                        t_end - t0, coverage=camp.stats["coverage"],
                         shrink_runs=camp.stats.get("shrink_runs", 0), unsupported=camp.stats["unsupported"],
                         known=camp.stats["known"], capabilities=caps.to_dict())
     if found is not None:
         first = camp.stats.get("first_failure", {})
         report.examples_to_detect = first.get("examples")
         report.seconds_to_detect = None if "time" not in first else first["time"] - t0
+        report.shrink_seconds = 0.0 if "time" not in first else t_end - first["time"]
         if on_phase is not None:
             on_phase("diagnose", {"cfg": found.cfg, "steps": found.steps, "failure": found.failure})
         diag = diagnose(backend_cls, found.cfg, found.steps, found.failure, mode, device)
+        report.diagnose_seconds = time.monotonic() - t_end
         search_info = {"seed": seed, "examples": camp.stats["examples"], "max_seq_len": camp.max_seq_len,
                        "examples_to_detect": report.examples_to_detect}
+        if camp.first_failure is not None:
+            search_info["unshrunk_steps"] = len(camp.first_failure.steps)
         if flaky is not None:
             # not shrunk: Hypothesis could not make it fail again (the steps are as found)
             search_info["flaky"] = flaky

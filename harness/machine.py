@@ -69,6 +69,9 @@ class Campaign:
     on_step: object = None
     # Polled before each scenario: a true result ends the search like the deadline does.
     should_stop: object = None
+    # Called once with the first ``FuzzFailure`` the moment it is seen (unshrunk), before
+    # shrinking starts, so a supervisor can report it at once; an error in it is ignored.
+    on_found: object = None
 
     def note(self, key: str, value, amount: int = 1) -> None:
         add_note(self.stats["coverage"], key, str(value), amount)
@@ -194,6 +197,13 @@ def make_machine(c: Campaign):
                 failure = FuzzFailure(f, self.cfg, list(self.steps))
                 if c.first_failure is None:
                     c.first_failure = failure
+                    if c.on_found is not None:
+                        try:
+                            c.on_found(failure)
+                        except Exception as exc:  # never a failure of the search itself
+                            import sys
+                            print(f"mla-fuzz: the first-sight hook failed: {type(exc).__name__}: {exc}",
+                                  file=sys.stderr)
                 c.latest_failure = failure
                 raise failure from None
             except Exception as e:

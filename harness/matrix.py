@@ -4,6 +4,11 @@ same seed and example count, plus the clean ``triton`` backend, each in a worker
 A row says whether the mutant was caught, after how many examples and seconds, with
 which diagnosis class, and whether that class is one ``harness.mutants.EXPECTED`` accepts.
 A mutant that kills or hangs its worker is caught as ``crash`` / ``hang``.
+
+Times count from the command's start (``started_at``): ``seconds_to_detect`` is the row's
+first sight of a failure (the worker's ``found`` message, before shrinking; a worker's death
+for crash/hang), ``seconds`` the row's end (shrunk and diagnosed), ``row_started_s`` when
+the row was handed to a worker (rows wait for a free worker).
 """
 from __future__ import annotations
 
@@ -32,19 +37,24 @@ def load_mutants() -> tuple[dict, dict]:
 
 def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examples: int, seed: int,
                worker_envs: list[dict], case_timeout: float | None, corpus: Path | None = None,
-               on_row=None, max_seq_len: int | None = None) -> list[dict]:
+               on_row=None, max_seq_len: int | None = None, on_sight=None,
+               started_at: float | None = None) -> list[dict]:
     """Fuzz each backend ref in ``names`` (``mutant:NAME`` or ``triton``); one dict per row in
-    ``names`` order (sequences up to ``max_seq_len``; None: per spec and device). ``on_row(row, done, total)`` is called as rows finish. On Ctrl-C the
-    rows finished so far are returned (fewer than ``names``)."""
+    ``names`` order (sequences up to ``max_seq_len``; None: per spec and device).
+    ``on_row(row, done, total)`` is called as rows finish, ``on_sight(name, seconds,
+    examples)`` when a row first sees a failure. Times count from ``started_at`` (epoch
+    seconds; default now). On Ctrl-C the rows finished so far are returned (fewer than
+    ``names``)."""
     tasks = [{"op": "fuzz", "id": f"m{i}", "backend": ref, "graph": graph, "spec": spec, "examples": examples,
               "seed": seed, "budget_s": None, "shrink": True, "max_seq_len": max_seq_len} for i, ref in enumerate(names)]
     rows: dict[str, dict] = {}
     pending = list(tasks)
+    clock = _Clock(time.time() if started_at is None else started_at)
     with tempfile.TemporaryDirectory(prefix="mla-fuzz-matrix-") as logs:
         pool = Pool(worker_envs[: max(1, min(len(worker_envs), len(tasks)))], logs, case_timeout=case_timeout)
         pool.start()
         try:
-            _drive(pool, pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row)
+            _drive(pool, pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock)
         except KeyboardInterrupt:
             pass
         finally:
@@ -52,20 +62,57 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
     return [rows[t["id"]] for t in tasks if t["id"] in rows]
 
 
-def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on_row) -> None:
+class _Clock:
+    """Seconds since the command's start (epoch ``origin``), on the monotonic clock."""
+
+    def __init__(self, origin: float):
+        self._t0 = time.monotonic() - max(0.0, time.time() - origin)
+        self.started: dict[str, float] = {}   # task id -> row handed to a worker
+        self.sights: dict[str, tuple] = {}    # task id -> (seconds, examples) of its first failure
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+
+def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on_row, on_sight=None,
+           clock: _Clock | None = None) -> None:
+    clock = clock or _Clock(time.time())
     while pending or pool.busy:
         for w in pool.idle():
             if not pending:
                 break
-            pool.submit(w, pending.pop(0))
+            task = pending.pop(0)
+            clock.started[task["id"]] = clock.now()
+            pool.submit(w, task)
         for ev in pool.poll(0.25):
             if ev.kind == "fatal":
                 raise RuntimeError(f"worker could not start: {ev.msg.get('error')}\n"
                                    + "\n".join(ev.msg.get("log_tail") or []))
-            if ev.kind in ("step", "phase", "ready"):
+            if ev.kind == "found" and ev.task is not None:
+                at = clock.now()
+                clock.sights.setdefault(ev.task["id"], (at, ev.msg.get("examples_to_detect")))
+                if on_sight is not None:
+                    ref = ev.task["backend"]
+                    on_sight(ref.split(":", 1)[1] if ref.startswith("mutant:") else ref, at,
+                             ev.msg.get("examples_to_detect"))
+                continue
+            if ev.kind in ("step", "phase", "ready", "found"):
                 continue
             row = _row(ev, expected, graph, case_timeout, corpus)
-            rows[ev.task["id"]] = row
+            tid = ev.task["id"]
+            row["row_started_s"] = _round(clock.started.get(tid))
+            row["seconds"] = _round(clock.now())
+            if row["caught"]:
+                sight = clock.sights.get(tid)
+                if sight is not None:
+                    row["seconds_to_detect"] = _round(sight[0])
+                elif ev.kind in ("died", "hung"):
+                    row["seconds_to_detect"] = row["seconds"]  # the death is its first sight
+                elif row.get("search_seconds_to_detect") is not None and tid in clock.started:
+                    row["seconds_to_detect"] = _round(clock.started[tid] + row["search_seconds_to_detect"])
+                else:
+                    row["seconds_to_detect"] = row["seconds"]
+            rows[tid] = row
             if on_row is not None:
                 on_row(row, len(rows), total)
 
@@ -74,20 +121,22 @@ def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
     ref = ev.task["backend"]
     name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
     row = {"name": name, "backend": ref, "caught": False, "examples": None, "examples_to_detect": None,
-           "seconds": None, "diagnosis": None, "oracle": None, "expected": sorted(expected.get(name, ())),
-           "matches": None, "repro": None, "error": None}
+           "seconds_to_detect": None, "seconds": None, "row_started_s": None, "search_seconds_to_detect": None,
+           "shrink_runs": None, "diagnosis": None, "oracle": None,
+           "expected": sorted(expected.get(name, ())), "matches": None, "repro": None, "error": None}
     repro = None
     if ev.kind == "done":
         rep = ev.msg["report"]
         repro = rep.get("repro")
         row["examples"] = rep.get("examples")
         row["examples_to_detect"] = rep.get("examples_to_detect")
-        row["seconds"] = rep.get("seconds_to_detect") if repro is not None else rep.get("seconds")
+        row["shrink_runs"] = rep.get("shrink_runs")
+        if repro is not None:  # from the search's own start (after the row's backend was built)
+            row["search_seconds_to_detect"] = _round(rep.get("seconds_to_detect"))
     elif ev.kind == "error":
         row["error"] = ev.msg.get("error")
     else:  # died / hung
         repro = crash_repro(ev.kind, ref, graph, ev.msg, {"seed": ev.task.get("seed")}, case_timeout)
-        row["seconds"] = ev.msg.get("seconds")
         if repro is None:
             row["diagnosis"] = CLASSES[ev.kind]
             row["caught"] = True
@@ -100,6 +149,10 @@ def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
     if ref != CLEAN and row["caught"] and row["expected"]:
         row["matches"] = row["diagnosis"] in row["expected"]
     return row
+
+
+def _round(v):
+    return None if v is None else round(float(v), 3)
 
 
 def verdict(rows: list[dict], strict: bool = False) -> tuple[int, list[str]]:

@@ -203,6 +203,9 @@ def merge_reports(paths: list[str], corpus: Path) -> dict:
         "started": starts[0] if starts else time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "elapsed_s": round(elapsed, 3),  # the longest shard's
         "examples": total("examples"), "steps": total("steps"), "startup_s": None,
+        "shrink_runs": total("shrink_runs"),
+        "shrink_s": round(sum(float(rep.get("shrink_s") or 0.0) for _, rep in reports), 3),
+        "diagnose_s": round(sum(float(rep.get("diagnose_s") or 0.0) for _, rep in reports), 3),
         # the shards' rates added up: the campaign's rate when they ran at the same time
         "cases_per_s": round(sum(float(rep.get("cases_per_s") or 0.0) for _, rep in reports), 3),
         "chunks": total("chunks"), "restarts": total("restarts"),

@@ -38,8 +38,8 @@ LOG_TAIL_LINES = 30
 class Event:
     """What happened in the pool.
 
-    ``kind``: ``ready`` | ``step`` | ``phase`` | ``done`` | ``error`` | ``died`` | ``hung`` |
-    ``fatal`` (a worker that cannot start). ``msg`` is the worker's message; for ``died`` and
+    ``kind``: ``ready`` | ``step`` | ``phase`` | ``found`` | ``done`` | ``error`` | ``died`` |
+    ``hung`` | ``fatal`` (a worker that cannot start). ``msg`` is the worker's message; for ``died`` and
     ``hung`` it is ``{"inflight": last step/phase message or None, "returncode", "signal",
     "log_tail", "seconds"}``. ``task`` is the task the worker was running, if any.
     """
@@ -225,6 +225,8 @@ class Pool:
             w.clock = time.monotonic()
             if self.case_timeout is not None:
                 w.limit = self.case_timeout * (DIAGNOSE_FACTOR if t == "phase" else 1.0)
+            return Event(t, slot, w.task, msg)
+        if t == "found":  # a fuzz chunk's first failure, unshrunk; the chunk goes on shrinking it
             return Event(t, slot, w.task, msg)
         if t in ("done", "error"):
             task, w.task, w.inflight, w.limit = w.task, None, None, None

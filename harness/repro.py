@@ -77,7 +77,9 @@ def write_repro(repro: dict, directory: str | os.PathLike) -> Path:
     body = json.dumps(repro, indent=2, sort_keys=False)
     digest = hashlib.sha1(json.dumps([repro["backend"], repro["config"], repro["steps"]],
                                      sort_keys=True).encode()).hexdigest()[:10]
-    cls = (repro.get("diagnosis") or {}).get("cls", "failure")
+    # a failure as first seen, before shrinking and diagnosis, is named for what it is
+    unshrunk = bool((repro.get("search") or {}).get("unshrunk"))
+    cls = (repro.get("diagnosis") or {}).get("cls") or ("unshrunk" if unshrunk else "failure")
     path = directory / f"{cls}-{digest}.json"
     return write_text_atomic(path, body + "\n")
 

@@ -9,11 +9,15 @@ descriptor ``N`` -- not stdout, which a backend may print to (stdout and stderr 
 worker's log). Before every step the worker sends the scenario so far (``step``), and
 before a diagnosis the failure being diagnosed (``phase``): if the step then kills the
 process (abort, segfault, illegal memory access, OOM kill) or never returns, the parent
-already knows exactly what was running and turns it into a repro.
+already knows exactly what was running and turns it into a repro. The moment a fuzz chunk
+first sees a failure, before Hypothesis shrinks it, the worker sends it (``found``, with its
+unshrunk repro), so the parent reports it at once and the shrunk repro replaces it later.
 
 Tasks:
 - ``{"op": "fuzz", "id", "backend", "graph", "spec", "examples", "seed", "budget_s", "shrink"}``
-  -> ``done`` with ``report`` (a ``FuzzReport`` as a dict);
+  -> ``found`` (at most once: ``repro`` unshrunk and undiagnosed, ``examples_to_detect``,
+  ``seconds_to_detect`` from the chunk's start, ``time``), then ``done`` with ``report`` (a
+  ``FuzzReport`` as a dict);
 - ``{"op": "replay", "id", "backend", "graph", "config", "steps", "diagnose"}``
   -> ``done`` with ``result`` (failure and diagnosis, or none);
 - ``{"op": "exit"}``.
@@ -98,17 +102,23 @@ def _fuzz_task(task: dict) -> dict:
         send({"t": "phase", "task": tid, "phase": phase, "cfg": info["cfg"].to_dict(), "steps": info["steps"],
               "failure": failure_dict(f), "time": time.time()})
 
+    def on_found(repro, info) -> None:
+        # the first failure as seen, before shrinking: the parent reports it now
+        _check_parent()
+        send({"t": "found", "task": tid, "repro": repro, "time": time.time(), **info})
+
     report = fuzz_mod.fuzz(task["backend"], spec=task.get("spec", "tiny"), graph_mode=task.get("graph", "auto"),
                            examples=int(task["examples"]), seed=int(task["seed"]), budget_s=budget_s,
                            shrink=bool(task.get("shrink", True)), on_step=on_step, on_phase=on_phase,
-                           should_stop=lambda: _STOP, shrink_seconds=task.get("shrink_seconds"),
+                           should_stop=lambda: _STOP, on_found=on_found, shrink_seconds=task.get("shrink_seconds"),
                            narrow=task.get("narrow") or None, known=task.get("known") or (),
                            strict_contiguity=bool(task.get("strict_contiguity")),
                            max_seq_len=task.get("max_seq_len"))
     return {"report": {
         "backend": report.backend, "graph_mode": report.graph_mode, "seed": report.seed,
         "examples": report.examples, "steps": report.steps, "seconds": report.seconds,
-        "shrink_runs": report.shrink_runs,
+        "shrink_runs": report.shrink_runs, "shrink_seconds": report.shrink_seconds,
+        "diagnose_seconds": report.diagnose_seconds,
         "examples_to_detect": report.examples_to_detect, "seconds_to_detect": report.seconds_to_detect,
         "repro": report.repro, "coverage": report.coverage, "unsupported": report.unsupported,
         "capabilities": report.capabilities, "stopped": _STOP}}

@@ -11,7 +11,7 @@ import torch
 
 from mla_fuzz.harness.repro import FORMAT
 from mla_fuzz.mla_ref import ModelSpec
-from cli_helpers import one_line as _one_line, run_cli as _run
+from cli_helpers import one_line as _one_line, record_display, run_cli as _run
 
 
 def test_unwritable_corpus_is_refused_before_the_campaign(tmp_path, capsys):
@@ -96,14 +96,21 @@ def test_counts_add_up_when_chunks_crash(tmp_path, fakes, capsys):
     assert sum(rep["coverage"]["op"].values()) == rep["steps"]
 
 
-def test_counts_add_up_when_a_failure_is_shrunk(tmp_path, capsys):
+def test_counts_add_up_when_a_failure_is_shrunk(tmp_path, capsys, monkeypatch):
+    # cases, steps and every coverage table count searched examples; Hypothesis' shrink
+    # re-runs (and the diagnosis) are reported apart, live and at the end
+    display = record_display(monkeypatch)
     report = tmp_path / "r.json"
-    code, _, _ = _run(["run", "--mutant", "item-in-capture", "--graph", "emulated", "--examples", "4", "--seed", "0",
-                       "--quiet", "--corpus", str(tmp_path / "c"), "--json", str(report)], capsys)
+    code, out, _ = _run(["run", "--mutant", "item-in-capture", "--graph", "emulated", "--examples", "4", "--seed", "0",
+                         "--corpus", str(tmp_path / "c"), "--json", str(report)], capsys)
     rep = json.loads(report.read_text())
     assert code == 1
-    assert sum(rep["coverage"]["kv_dtype"].values()) == rep["examples"]
+    assert rep["failures"][0]["shrunk"] and rep["shrink_runs"] > 0 and f"shrinking: {rep['shrink_runs']} re-run" in out
+    assert rep["examples"] <= 4 + sum(rep["unsupported"].values())
+    for table in ("kv_dtype", "next_n", "page_size", "heads", "spec", "layer", "fp8_out"):
+        assert sum(rep["coverage"][table].values()) == rep["examples"], table
     assert sum(rep["coverage"]["op"].values()) == rep["steps"]
+    assert display.counts and all(c <= rep["examples"] and s <= rep["steps"] for c, s in display.counts)
 
 
 @pytest.mark.parametrize("cmd", [["run", "--budget", "30s"], ["mutants"], ["bench", "--budget", "5s"]])

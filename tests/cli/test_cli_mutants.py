@@ -43,8 +43,42 @@ def test_mutants_matrix_command(tmp_path, capsys):
     row = m["rows"][0]
     assert row["caught"] and row["matches"] and row["examples_to_detect"] >= 1
     assert MUTANT in out and "yes" in out
+    # time to the first finding counts from the command's start: after the row was handed
+    # to a worker, no later than the row's end (shrunk and diagnosed) and the whole command
+    assert isinstance(row["seconds_to_detect"], float), row
+    assert 0 <= row["row_started_s"] <= row["seconds_to_detect"] <= row["seconds"] <= m["wall_s"]
+    assert f"FOUND at example {row['examples_to_detect']}" in err and "first sight s" in out
 
 
 def test_mutants_unknown_name_is_usage_error(capsys):
     code, _, err = _run(["mutants", "--only", "no-such-mutant"], capsys)
     assert code == 2 and "no-such-mutant" in err and len(err.strip().splitlines()) == 1
+
+
+def test_detection_benchmark_cold_then_warm(tmp_path, load_benchmark, capsys):
+    det = load_benchmark("detection")
+    out_json = tmp_path / "det.json"
+    code = det.main(["--graph", "emulated", "--only", MUTANT, "--examples", "3", "--out", str(out_json)])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    doc = json.loads(out_json.read_text())
+    assert doc["format"] == "mla-fuzz-detection-bench/1" and doc["settings"]["graph"] == "emulated"
+    assert doc["versions"]["torch"] and doc["versions"]["python"] and doc["machine"]["cpus"] >= 1
+    for name in ("cold", "warm"):
+        [row] = doc["passes"][name]["rows"]
+        assert row["caught"] and row["examples_to_detect"] >= 1, row
+        # from the command's own process start: within the command's wall time, before its end
+        assert isinstance(row["seconds_to_detect"], float) and 0 < row["seconds_to_detect"] <= row["seconds"]
+        assert row["seconds"] <= row["wall_s"] and f"--only {MUTANT}" in row["command"]
+    assert doc["passes"]["cold"]["rows"][0]["cache_files_before"] == 0  # a fresh Triton cache
+
+
+def test_detection_benchmark_medians_are_over_caught_rows(load_benchmark):
+    det = load_benchmark("detection")
+    rows = [{"name": "a", "caught": True, "seconds_to_detect": 3.0, "examples_to_detect": 4, "seconds": 9.0},
+            {"name": "b", "caught": True, "seconds_to_detect": 1.0, "examples_to_detect": 2, "seconds": 5.0},
+            {"name": "c", "caught": False, "seconds_to_detect": None, "examples_to_detect": None, "seconds": 60.0}]
+    s = det.summarize(rows)
+    assert s["caught"] == 2 and s["not_caught"] == ["c"]
+    assert s["median_seconds_to_detect"] == 2.0 and s["median_examples_to_detect"] == 3.0
+    assert s["median_seconds_final"] == 7.0 and s["max_seconds_to_detect"] == 3.0
