@@ -3,9 +3,11 @@
 An ``OpAudit`` is a ``TorchDispatchMode`` that only *observes*: it logs every op name
 and, for ops outside ``aten``/``prim`` (custom kernels such as ``mla_fuzz::decode`` or a
 user's FlashMLA wrapper), the data pointer, shape, strides and contiguity of every tensor
-argument. That log is the evidence behind three oracles and their diagnoses:
+argument; for builtin ops, the data pointers of their tensor arguments. That log is the
+evidence behind three oracles and their diagnoses:
 
-- address audit (oracle 4): which tensors a captured graph actually reads;
+- address audit (oracle 4): which tensors a captured graph actually reads, through a custom
+  kernel or a plain torch op (a metadata tensor clamped or cast before the kernel sees it);
 - contiguity audit (oracle 5): a kernel handed a non-contiguous view (vLLM #42135), or
   ``as_strided`` applied to one: it addresses the view's storage with strides of its own,
   ignoring the view's, i.e. it reads the view flat exactly as a kernel would (a backend
@@ -44,14 +46,16 @@ class OpLog:
     kernels: list[KernelCall] = field(default_factory=list)
     # builtin flat reads (``_FLAT_READS``) of non-contiguous tensors: op, shape, strides, storage ptr
     flat_reads: list[tuple[str, tuple, tuple, int]] = field(default_factory=list)
+    # data pointers of every tensor a builtin (aten) op was handed
+    builtin_ptrs: set = field(default_factory=set)
 
     @property
     def custom_ops(self) -> list[str]:
         return [k.op for k in self.kernels]
 
     def read_ptrs(self) -> set[int]:
-        """Data pointers of every tensor handed to a custom kernel."""
-        return {t[1] for k in self.kernels for t in k.tensors}
+        """Data pointers of every tensor handed to a custom kernel or to a builtin op."""
+        return {t[1] for k in self.kernels for t in k.tensors} | self.builtin_ptrs
 
     def noncontiguous(self, storages: set[int] | None = None) -> list[str]:
         """Human-readable list of non-contiguous tensors handed to custom kernels or read
@@ -94,9 +98,20 @@ class OpAudit(TorchDispatchMode):
                 for i, t in enumerate(flat) if isinstance(t, torch.Tensor)
             ]
             self.log.kernels.append(KernelCall(name, tensors))
-        elif name in _FLAT_READS and args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
-            self.log.flat_reads.append((name, tuple(args[0].shape), tuple(args[0].stride()), _storage(args[0])))
+        else:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    self.log.builtin_ptrs.add(_ptr(t))
+            if name in _FLAT_READS and args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+                self.log.flat_reads.append((name, tuple(args[0].shape), tuple(args[0].stride()), _storage(args[0])))
         return func(*args, **kwargs)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except Exception:  # tensors without storage (fake, functional wrappers)
+        return -1
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -15,13 +15,14 @@ by *experiments*, each a deterministic re-run of the scenario with one thing cha
 
 1. poisoning off: if the failure disappears, NaN placed only in padding reached real
    rows -> padding-leak (also when only seq_len-0 rows are wrong: padding-shaped rows);
+2. the capture's kernel list vs a fresh backend's eager forward of the same batch: a
+   kernel (the planner) missing from the graph -> laziness (state planned before
+   capture, vLLM #42444), whichever oracle fired (before 1b: a skipped planner leaves later
+   eager steps of that backend wrong too);
 1b. (reference, finite or bounds oracle) the failing step as an eager step: if it fails after the
    scenario's earlier steps (so no graph is needed) but passes alone on a fresh backend, the
    output depends on what earlier builds left in persistent buffers (e.g. an nnz-sized copy
    leaving the previous step's tail, vLLM #42604) -> stale-address;
-2. the capture's kernel list vs a fresh backend's eager forward of the same batch: a
-   kernel (the planner) missing from the graph -> laziness (state planned before
-   capture, vLLM #42444);
 3. capturing with the replayed batch itself: if the failure disappears while every
    metadata address is stable and every kernel is present, the graph froze host-side
    values computed from the capture-time batch -> laziness (host-decided plan);
@@ -93,6 +94,18 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                              "block, unused pages) is filled with NaN; with the same steps unpoisoned it passes: "
                              "values that belong to padding reach real rows. " + failure.message, o)
 
+    # 2. a kernel missing from the graph names laziness whichever oracle fired: a planner the
+    # capture skipped also leaves eager steps of the same backend wrong, which 1b would blame on
+    # a stale buffer
+    cap_idx = _capture_for(upto, failing)
+    if cap_idx is not None and graph_mode != "eager":
+        missing = _missing_kernels(backend_cls, cfg, upto[: cap_idx + 1], graph_mode, device)
+        if missing:
+            return Diagnosis("laziness", f"the graph captured at step {cap_idx} lacks kernel(s) {missing} that an "
+                             "eager forward of the same batch on a fresh backend launches: state planned before "
+                             "capture (warmup or an earlier step) made the capture skip the planner, so every "
+                             "replay reuses that stale plan. " + failure.message, o)
+
     # 1b. state left by earlier builds: the step's *eager* output is wrong after this history
     # (for a replay: re-run it as an eager step, so the graph is out of the picture) but
     # right on a fresh backend with no history
@@ -107,15 +120,8 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                              "(a stale tail of an nnz-sized copy, vLLM #42604) — stale contents at a stable "
                              "address. " + failure.message, o)
 
-    # 2/3 concern a replay of a captured graph
-    cap_idx = _capture_for(upto, failing)
+    # 3. concerns a replay of a captured graph
     if cap_idx is not None and graph_mode != "eager":
-        missing = _missing_kernels(backend_cls, cfg, upto[: cap_idx + 1], graph_mode, device)
-        if missing:
-            return Diagnosis("laziness", f"the graph captured at step {cap_idx} lacks kernel(s) {missing} that an "
-                             "eager forward of the same batch on a fresh backend launches: state planned before "
-                             "capture (warmup or an earlier step) made the capture skip the planner, so every "
-                             "replay reuses that stale plan. " + failure.message, o)
         swapped = copy.deepcopy(upto)
         swapped[cap_idx]["batch"] = copy.deepcopy(failing["batch"])
         if rerun(swapped) is None:
@@ -205,8 +211,9 @@ def _direct_text(oracle: str, f: OracleFailure, steps: list[dict]) -> str:
         "contract": "forward's return value breaks the output contract (shape, dtype or device of out or lse; "
                     "capabilities declare the lse convention): ",
         "custom-op": "the backend launches a Triton kernel directly, which the graph emulator cannot record: ",
-        "address": "the address audit saw a metadata tensor that the captured graph reads move between builds "
-                   "(the builder allocates fresh tensors instead of copying into persistent buffers, vLLM #35175): ",
+        "address": "the address audit saw a tensor that the captured graph reads (a metadata field, or a tensor the "
+                   "backend object holds) replaced by a later build (fresh tensors instead of copies into "
+                   "persistent buffers, vLLM #35175): ",
         "contiguity": "a kernel was handed a non-contiguous view it may index flat (vLLM #42135: a "
                       "[:B, :max_decode_len] slice of a 2-D buffer is non-contiguous when max_decode_len < next_n): ",
         "integrity": "KV-cache slots that no real token of this step writes changed (a padded row's slot_mapping "

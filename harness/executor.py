@@ -43,6 +43,8 @@ class Captured:
     positions: torch.Tensor | None
     meta: object
     meta_ptrs: dict
+    # tensors the graph reads that the backend object holds (outside the metadata), by path
+    backend_ptrs: dict
     log: OpLog
     batch: DecodeBatch
     step: int
@@ -114,6 +116,8 @@ class ScenarioRunner:
         self.captures: dict[int, Captured] = {}
         # coverage notes of the steps run so far ((key, value, amount)), drained by the search
         self._notes: list[tuple] = []
+        # paths of tensors on the backend object that a build replaced (``_build``)
+        self._rebuilt: set[str] = set()
 
     def _new_backend(self):
         cfg = self.cfg
@@ -129,6 +133,16 @@ class ScenarioRunner:
                             page_size=cfg.page_size, max_blocks_per_seq=cfg.max_pages_per_seq,
                             next_n_max=cfg.next_n, num_blocks=self.world.num_blocks,
                             **({"topk_max": cfg.topk, "indexer": self.world.indexer} if cfg.sparse else {}))
+
+    def _build(self, fn, batch: DecodeBatch):
+        """Call the backend's ``build`` / ``build_for_capture``, noting which tensors held on
+        the backend object it replaced (the address audit's evidence for state kept outside
+        the metadata; a tensor a forward replaces is the forward's business)."""
+        before = {p: t.data_ptr() for p, t in tensor_fields(self.backend, "backend").items()}
+        meta = call_backend(fn, batch)
+        after = tensor_fields(self.backend, "backend")
+        self._rebuilt.update(p for p, t in after.items() if before.get(p) != t.data_ptr())
+        return meta
 
     def take_notes(self) -> list[tuple]:
         """Coverage notes ``(key, value, amount)`` gathered since the last call (how many
@@ -301,7 +315,7 @@ class ScenarioRunner:
         batch = self.world.make_batch(draw, pad_to)
         self.world.reset_cache(poison, self.world.used_pages(batch))
         before = self.world.kv_cache.clone()
-        meta = call_backend(self.backend.build, batch)
+        meta = self._build(self.backend.build, batch)
         q, hidden, positions = self._inputs(batch.padded_size, batch, draw, poison)
         log = OpLog()
         try:
@@ -336,17 +350,17 @@ class ScenarioRunner:
         capture_build = getattr(self.backend, "build_for_capture", None)
         if not (self.capture_build and callable(capture_build)):
             capture_build = self.backend.build
-        meta = call_backend(capture_build, batch) if share else None
+        meta = self._build(capture_build, batch) if share else None
         for _ in range(warmups):
             log = OpLog()
-            m = meta if share else call_backend(self.backend.build, batch)
+            m = meta if share else self._build(self.backend.build, batch)
             try:
                 self._audited(lambda: self._forward(q, hidden, positions, m), log)
             finally:
                 self._check_contiguity(log, "warmup forward", m)
             self.world.reset_cache(False)
         if meta is None:
-            meta = call_backend(capture_build, batch)
+            meta = self._build(capture_build, batch)
         log = OpLog()
         fn = lambda: self._forward(q, hidden, positions, meta)  # noqa: E731
         try:
@@ -355,7 +369,10 @@ class ScenarioRunner:
             self._check_contiguity(log, "capture", meta)
         read = log.read_ptrs()
         meta_ptrs = {p: t.data_ptr() for p, t in tensor_fields(meta).items() if t.data_ptr() in read}
-        self.captures[size] = Captured(size, graph, q, hidden, positions, meta, meta_ptrs, log, batch, self.index)
+        held = tensor_fields(self.backend, "backend")
+        backend_ptrs = {p: t.data_ptr() for p, t in held.items() if t.data_ptr() in read}
+        self.captures[size] = Captured(size, graph, q, hidden, positions, meta, meta_ptrs, backend_ptrs, log, batch,
+                                       self.index)
 
     def _step_replay(self, step: dict) -> None:
         size, draw, poison = step["size"], step["batch"], bool(step.get("poison"))
@@ -364,7 +381,7 @@ class ScenarioRunner:
             raise ValueError(f"replay of size {size} before any capture of that size")
         batch = self.world.make_batch(draw, size)
         self.world.reset_cache(poison, self.world.used_pages(batch))
-        meta = call_backend(self.backend.build, batch)
+        meta = self._build(self.backend.build, batch)
         if self.mode != "eager":
             self._run_oracles("build", Outcome(batch, None, None, None, meta, None, None, None, None, "", size))
         q, hidden, positions = self._inputs(size, batch, draw, poison, cap.q, cap.hidden, cap.positions)
@@ -455,7 +472,9 @@ class ScenarioRunner:
         self._audit_addresses(o.size, o.meta)
 
     def _audit_addresses(self, size: int, meta) -> None:
-        """Each metadata tensor the captured graph reads keeps its address."""
+        """Each tensor the captured graph reads keeps its address: the metadata's fields, and
+        the tensors the backend object itself holds (a builder that keeps this step's lengths
+        on ``self`` instead of in the metadata)."""
         cap = self.captures[size]
         now = tensor_fields(meta)
         for path, ptr in cap.meta_ptrs.items():
@@ -466,6 +485,16 @@ class ScenarioRunner:
                     f"(and the graph reads it), but build() for this step returned it at 0x{t.data_ptr():x}: "
                     f"the replay keeps reading the capture-time tensor", self.index,
                     {"field": path, "size": cap.size})
+        held = tensor_fields(self.backend, "backend")
+        for path, ptr in cap.backend_ptrs.items():
+            t = held.get(path)
+            if t is not None and t.data_ptr() != ptr and path in self._rebuilt:
+                attr = "self" + path[len("backend"):]
+                raise OracleFailure(
+                    "address", f"the backend's attribute '{attr}' ({type(self.backend).__name__}, outside the "
+                    f"metadata) was at 0x{ptr:x} when graph {cap.size} was captured (and the graph reads it), but "
+                    f"after build() for this step it is a new tensor at 0x{t.data_ptr():x}: the replay keeps "
+                    f"reading the capture-time tensor", self.index, {"field": attr, "size": cap.size})
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ ORACLES = (
     Oracle("custom-op", "every kernel launch is recordable under emulation (a dispatched op)", "emulated capture"),
     Oracle("contiguity", "no non-contiguous view of the builder's metadata reaches a kernel (strict: any tensor)",
            "every forward"),
-    Oracle("address", "every metadata tensor the captured graph reads keeps its address across builds",
+    Oracle("address", "every tensor the captured graph reads (through a kernel or a plain torch op) that the metadata or the backend object holds keeps its address across builds",
            "each replay's build (graph modes)", ("build",)),
     Oracle("integrity", "KV slots no real token of the step writes are bitwise unchanged", "eager steps, replays",
            ("eager", "replay")),

@@ -14,7 +14,7 @@ import torch
 from hypothesis import strategies as st
 
 from mla_fuzz import mla_ref
-from mla_fuzz.mla_ref import ModelSpec
+from mla_fuzz.mla_ref import DecodeBatch, ModelSpec
 
 Q_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16, "fp8_e4m3": torch.bfloat16}
 #: the fp8_e4m3 cases' default per-tensor scale: randn keys use the top of the e4m3 range
@@ -142,3 +142,20 @@ def spy_launches(monkeypatch, module, name: str, *keys: str) -> list:
 
     monkeypatch.setattr(module, name, _Spy())
     return seen
+
+
+def batch_of(case, *, next_n, pad_to=None, kv_dtype="bf16", max_decode_len=None, k_scale=None):
+    """The ``DecodeBatch`` of a case: this step's tokens are the last q_len of each request
+    (an fp8_e4m3 batch carries ``k_scale``, default the case's)."""
+    B = case.batch
+    slots = torch.full((B, next_n), -1, dtype=torch.int64)
+    for b in range(B):
+        L, ql = int(case.seq_lens[b]), int(case.q_lens[b])
+        for i in range(ql):
+            slots[b, i] = case.slot(b, L - ql + i)
+    if kv_dtype == "fp8_e4m3" and k_scale is None:
+        k_scale = case.k_scale
+    return DecodeBatch(seq_lens=case.seq_lens.cpu(), q_lens=case.q_lens.cpu(), block_table=case.block_table.cpu(),
+                       slot_mapping=slots, page_size=case.page_size, next_n=next_n, pad_to=pad_to,
+                       kv_dtype=kv_dtype, null_block=case.null_block, max_decode_len=max_decode_len,
+                       k_scale=k_scale if kv_dtype == "fp8_e4m3" else None)

@@ -6,12 +6,14 @@ mutant (from its own search, with the right diagnosis) and passes the clean back
 ``ALL`` maps name -> backend class; ``EXPECTED`` maps name -> diagnosis classes that
 are a correct explanation of that bug.
 """
-from .graph_state import HostSplitDecision, ItemInCapture, SharedLazySched, StaleFP8Metadata, StaleKScale
+from .graph_state import (HostSplitDecision, ItemInCapture, LazyPlannerOnBackend, SharedLazySched, StaleFP8Metadata,
+                          StaleKScale, TorchOpMetadata)
 from .layout import NoncontigContextLens, PaddedSlotWrite
-from .padding import NanZeroLen, UninitPaddingAmax
+from .padding import NanZeroLen, PadWithLastRequest, UninitPaddingAmax
 from .indexer import IndexerTwoDContextLens
-from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail
-from .examples import ExampleItemInForward, ExamplePaddedPageMinusOne, ExampleSeqLensFresh, ExampleWorkspaceRealloc
+from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail, StaleWorkspaceTail
+from .examples import (BackendHeldLens, ExampleItemInForward, ExamplePaddedPageMinusOne, ExampleSeqLensFresh,
+                       ExampleWorkspaceRealloc)
 from .sglang_style import CaptureOwnIndices
 
 ALL = {
@@ -28,6 +30,13 @@ ALL = {
     "ragged-item-sync": RaggedItemSync,
     "ragged-stale-tail": RaggedStaleTail,
     "indexer-2d-context-lens": IndexerTwoDContextLens,
+    # the second set: written held out (issue #44's diagnosis work), measured once untouched
+    # (benchmarks/results/cpu-2026-11-28-fresh-mutants.json), then added here
+    "torch-op-metadata": TorchOpMetadata,
+    "lazy-planner-on-backend": LazyPlannerOnBackend,
+    "stale-ctx-tail": StaleWorkspaceTail,
+    "pad-with-last-request": PadWithLastRequest,
+    "example-backend-held-lens": BackendHeldLens,
     # the plug-in example (examples/triton_decode.py) with the same bug classes put back
     "example-seq-lens-fresh": ExampleSeqLensFresh,
     "example-workspace-realloc": ExampleWorkspaceRealloc,
@@ -53,6 +62,11 @@ EXPECTED = {
     # refresh: the stale-address family (diagnosis experiment "fresh backend")
     "ragged-stale-tail": {"stale-address"},
     "indexer-2d-context-lens": {"contiguity"},
+    "torch-op-metadata": {"stale-address"},
+    "lazy-planner-on-backend": {"laziness"},
+    "stale-ctx-tail": {"stale-address"},
+    "pad-with-last-request": {"padding-leak"},
+    "example-backend-held-lens": {"stale-address"},
     "example-seq-lens-fresh": {"stale-address"},
     "example-workspace-realloc": {"stale-address"},
     "example-item-in-forward": {"host-sync"},

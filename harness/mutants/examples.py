@@ -3,6 +3,8 @@ bugs, each a one-method subclass of ``TritonDecodeBackend`` (the proof that the 
 catches them in a third-party backend too, not only in ours)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mla_fuzz.examples.triton_decode import TritonDecodeBackend
@@ -64,3 +66,27 @@ class ExamplePaddedPageMinusOne(TritonDecodeBackend):
         md.seq_lens[B:].fill_(1)
         md.block_table[B:].fill_(-1)
         return md
+
+
+class BackendHeldLens(TritonDecodeBackend):
+    """Per-step state kept on the backend object instead of the metadata (the shape of a
+    decode wrapper whose ``plan()`` keeps the step's tensors on ``self``, FlashInfer-wrapper
+    style, or an attention impl reading ``self.`` state its builder set): ``build`` still
+    copies into the persistent buffers and returns graph-safe metadata, but it also stores a
+    freshly allocated device copy of the padded lengths on the backend
+    (``self._seq_lens_now = seq.to(device)``) and ``forward`` hands *that* to the kernels.
+    Nothing in the metadata moves, so the metadata looks right; a captured graph keeps
+    reading the capture-time ``_seq_lens_now``, so every replay decodes the new batch with
+    the capture batch's lengths."""
+
+    name = "example-backend-held-lens"
+
+    def build(self, batch):
+        md = super().build(batch)
+        seq = torch.zeros(md.padded_size, dtype=torch.int32)
+        seq[:batch.batch_size] = batch.seq_lens
+        self._seq_lens_now = seq.to(self.device)  # a new tensor every step, held by the backend
+        return md
+
+    def forward(self, q, kv_cache, metadata):
+        return super().forward(q, kv_cache, dataclasses.replace(metadata, seq_lens=self._seq_lens_now))

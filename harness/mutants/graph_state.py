@@ -1,6 +1,9 @@
 """Mutants whose bug is state the captured graph froze: addresses, plans, host reads."""
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 
 from mla_fuzz.kernels import TritonMLABackend, plan_reference
 from mla_fuzz.kernels.sched import SchedState
@@ -91,3 +94,51 @@ class ItemInCapture(TritonMLABackend):
     def _plan(self, md):
         if int(md.seq_lens.max().item()) > 0:
             super()._plan(md)
+
+
+class TorchOpMetadata(TritonMLABackend):
+    """A fresh metadata tensor per build hidden behind a torch op in the forward (vLLM
+    #35175's fresh-tensor bug in the shape ``cache_seqlens = md.seq_lens.to(torch.int32)``):
+    the builder stages ``seq_lens`` as a new int64 device tensor each step (the engine's own
+    dtype, ``host.to(device, torch.int64)``) and keeps it in the metadata; the forward casts
+    it to the int32 the kernels take. The cast's output, allocated inside the forward, is the
+    only tensor the planner and the decode kernel ever see, so no kernel argument is a
+    metadata tensor that moved — but a captured graph replays the cast on the capture-time
+    int64 tensor, and every replay plans and decodes with the capture batch's lengths."""
+
+    name = "torch-op-metadata"
+
+    def _stage(self, name, host):
+        if name == "seq_lens":
+            return host.to(self.device, torch.int64)  # fresh each build
+        return super()._stage(name, host)
+
+    def forward(self, q, kv_cache, metadata, out=None):
+        md = dataclasses.replace(metadata, seq_lens=metadata.seq_lens.to(torch.int32))
+        return super().forward(q, kv_cache, md, out)
+
+
+class LazyPlannerOnBackend(TritonMLABackend):
+    """FlashMLA's lazily planned scheduler state (vLLM #42444's contract, "plan on first
+    use") kept on the backend: in graph mode the builder holds one ``SchedState`` per padded
+    batch size on ``self`` (so the plan tensors a graph reads never move, as engines keep
+    per-size persistent buffers) and hands it to every build of that size, and the forward
+    calls the lazy ``plan`` (no ``force``). The first forward of a size (a warmup, or an
+    earlier eager step) plans it and sets ``planned``; every later forward, the capture's
+    included, skips the planner: the captured graph has no planner kernel and every later
+    batch of that size (replayed or eager) runs on the first batch's plan — rows longer
+    than then lose their tail."""
+
+    name = "lazy-planner-on-backend"
+
+    def _make_sched(self, md):
+        if not self.graph_safe:
+            return super()._make_sched(md)  # eager engines make a state per step
+        scheds = self.__dict__.setdefault("_planned_scheds", {})
+        state = scheds.get(md.padded_size)
+        if state is None or state.config != md.config:
+            state = scheds[md.padded_size] = super()._make_sched(md)
+        return state
+
+    def _plan(self, md):
+        md.sched.plan(md.seq_lens)  # lazy: a no-op once the state is planned

@@ -62,3 +62,29 @@ class RaggedStaleTail(TritonMLABackend):
         buf = self._flat_view("topk_indices", (pad * n, self.topk_max))
         buf[rows.to(self.device), cols.to(self.device)] = host[rows, cols].to(self.device)
         return buf, self._stage("topk_length", lens)
+
+
+class StaleWorkspaceTail(TritonMLABackend):
+    """A stale tail in the per-token context-lengths buffer (the flat persistent buffer the
+    builder lays MTP tokens out in, ``[pad, max_decode_len]``): the builder scatters only the
+    real tokens' entries into it (an nnz = ``sum(q_lens)``-sized write, as a ragged
+    ``qo_indptr``-driven builder produces them) and relies on the rest of the region being 0,
+    which it only was at allocation. The kernel reads every entry of the region and takes 0
+    for "padding token": after a step whose longer ``q_lens`` (or other width) wrote a length
+    where this step has a padding token, that padding token attends to keys and its output
+    (0 / -inf by contract) is not. Stable address, stale contents (vLLM #42604's nnz-sized
+    copy, in another buffer)."""
+
+    name = "stale-ctx-tail"
+
+    def _fill_metadata(self, batch):
+        if not self.graph_safe:
+            return super()._fill_metadata(batch)
+        B, pad, width = batch.batch_size, batch.padded_size, int(batch.max_decode_len)
+        left = self._flat_view("ctx_lens", (pad, width)).clone()  # what earlier steps left there
+        md = super()._fill_metadata(batch)
+        written = torch.zeros(pad, width, dtype=torch.bool)
+        written[:B] = torch.arange(width)[None, :] < batch.q_lens.to(torch.int64)[:, None]
+        # only the real tokens' entries were written; everything else keeps the earlier contents
+        md.ctx_lens.copy_(torch.where(written.to(self.device), md.ctx_lens, left))
+        return md

@@ -54,10 +54,10 @@ def test_failure_is_written_and_replays(tmp_path, fakes, capsys):
 
 
 def test_abort_is_a_crash_with_a_reduced_repro(tmp_path, fakes, capsys):
-    # seed 0: the first crash comes at step 2 of [capture, eager, eager] (a real row with
+    # seed 1: the first crash comes at the third step of its scenario (the first real row with
     # seq_len >= 20); the crash needs only that step, so the repro is reduced to it.
     code, out, rep, files = _campaign(tmp_path, capsys, "cli_fakes:AbortLongBackend", "eager",
-                                      "--examples", "2", "--seed", "0")
+                                      "--examples", "2", "--seed", "1")
     assert code == 1, out
     assert rep["restarts"] >= 1
     crash = [f for f in rep["failures"] if f["class"] == "crash"]

@@ -7,29 +7,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mla_fuzz import mla_ref
-from mla_fuzz.mla_ref import DecodeBatch, MLALayerWeights, ModelSpec
+from mla_fuzz.mla_ref import MLALayerWeights, ModelSpec
 
 from mla_fuzz import kernels
 from mla_fuzz.harness.layer import MLADecodeLayer, decode_positions
 from mla_fuzz.kernels import DecodeConfig, TritonMLABackend, ops, routes
 from mla_fuzz.kernels.routes import SPLIT_ROWS_MAX_BATCH
-from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, lens_strategy, make_case
+from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, batch_of, lens_strategy, make_case
 
 CFG = DecodeConfig(block_m=16, block_n=16, num_parts=3, min_tiles_per_part=1)
-
-
-def batch_of(case, *, next_n, pad_to=None, kv_dtype="bf16", max_decode_len=None):
-    """The DecodeBatch of a case: this step's tokens are the last q_len of each request."""
-    B = case.batch
-    slots = torch.full((B, next_n), -1, dtype=torch.int64)
-    for b in range(B):
-        L, ql = int(case.seq_lens[b]), int(case.q_lens[b])
-        for i in range(ql):
-            slots[b, i] = case.slot(b, L - ql + i)
-    return DecodeBatch(seq_lens=case.seq_lens.cpu(), q_lens=case.q_lens.cpu(), block_table=case.block_table.cpu(),
-                       slot_mapping=slots, page_size=case.page_size, next_n=next_n, pad_to=pad_to,
-                       kv_dtype=kv_dtype, null_block=case.null_block, max_decode_len=max_decode_len,
-                       k_scale=case.k_scale if kv_dtype == "fp8_e4m3" else None)
 
 
 def padded_q(case, pad):

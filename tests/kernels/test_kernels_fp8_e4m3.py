@@ -12,20 +12,7 @@ import torch
 from mla_fuzz import kernels, mla_ref
 from mla_fuzz.kernels import DecodeConfig, SchedState, TritonMLABackend, default_config, ops
 from mla_fuzz.mla_ref import DecodeBatch, IndexerWeights, ModelSpec
-from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, make_case, spy_launches
-
-
-def _batch(case, *, next_n, pad_to=None, k_scale=None, **kw):
-    """The dense DecodeBatch of a case (this step's tokens are the last q_len of each request)."""
-    B = case.batch
-    slots = torch.full((B, next_n), -1, dtype=torch.int64)
-    for b in range(B):
-        L, ql = int(case.seq_lens[b]), int(case.q_lens[b])
-        for i in range(ql):
-            slots[b, i] = case.slot(b, L - ql + i)
-    return DecodeBatch(seq_lens=case.seq_lens.cpu(), q_lens=case.q_lens.cpu(), block_table=case.block_table.cpu(),
-                       slot_mapping=slots, page_size=case.page_size, next_n=next_n, pad_to=pad_to,
-                       kv_dtype="fp8_e4m3", k_scale=case.k_scale if k_scale is None else k_scale, **kw)
+from kernels_cases import TOL_GPU, TOL_INTERP, assert_decode_close, batch_of, make_case, spy_launches
 
 
 def _padded(q, pad):
@@ -149,7 +136,7 @@ def test_backend_keeps_the_scale_in_one_persistent_buffer():
     case = make_case(spec, seq_lens=[40, 3, 17], q_lens=[2, 1, 1], s_q=2, page_size=8, kv_dtype="fp8_e4m3",
                      seed=6, k_scale=0.02)
     engine_scale = torch.tensor([0.02])
-    md = be.build(_batch(case, next_n=2, pad_to=4, k_scale=engine_scale))
+    md = be.build(batch_of(case, kv_dtype="fp8_e4m3", next_n=2, pad_to=4, k_scale=engine_scale))
     buf = md.k_scale
     assert buf.dtype == torch.float32 and tuple(buf.shape) == (1,) and float(buf) == float(engine_scale)
     assert buf.data_ptr() != engine_scale.data_ptr() and "k_scale" in md.tensors()
@@ -161,7 +148,7 @@ def test_backend_keeps_the_scale_in_one_persistent_buffer():
     out, lse = be.forward(q, case.kv_cache, md)
     assert_decode_close(out[:3], lse[:3], *_reference(case, k_scale=0.3), tol=TOL_INTERP[torch.bfloat16])
     engine_scale.fill_(0.11)  # the engine updates its tensor in place, then builds the next step
-    md2 = be.build(_batch(case, next_n=2, pad_to=4, k_scale=engine_scale))
+    md2 = be.build(batch_of(case, kv_dtype="fp8_e4m3", next_n=2, pad_to=4, k_scale=engine_scale))
     assert md2.k_scale.data_ptr() == buf.data_ptr() and float(md2.k_scale) == float(engine_scale)
     assert {k: v.data_ptr() for k, v in md2.tensors().items()} == {k: v.data_ptr() for k, v in md.tensors().items()}
     out, lse = be.forward(q, case.kv_cache, md2)
@@ -228,7 +215,7 @@ def test_ops_require_k_scale_for_fp8_e4m3_and_refuse_it_otherwise():
         kernels.mla_decode(case.q, case.kv_cache[..., :40].contiguous(), case.block_table, case.seq_lens, spec=spec,
                            k_scale=case.k_scale)
     be = TritonMLABackend(spec, device="cpu", max_batch=2, next_n_max=1, max_blocks_per_seq=4)
-    md = be.build(_batch(case, next_n=1))
+    md = be.build(batch_of(case, kv_dtype="fp8_e4m3", next_n=1))
     with pytest.raises(ValueError, match="kv_dtype"):
         be.forward(case.q, bf16.kv_cache, md)  # the batch said fp8_e4m3
 
@@ -286,7 +273,7 @@ def test_fp8_e4m3_cuda_graph_replays_follow_the_engine_scale_gpu(heads, next_n):
     cache = torch.zeros(max(c.kv_cache.shape[0] for c in cases), *cases[0].kv_cache.shape[1:],
                         dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
     q = _padded(cases[0].q, 4)
-    md = be.build(_batch(cases[0], next_n=next_n, pad_to=4, k_scale=engine_scale))
+    md = be.build(batch_of(cases[0], kv_dtype="fp8_e4m3", next_n=next_n, pad_to=4, k_scale=engine_scale))
     cache.view(torch.uint8)[:cases[0].kv_cache.shape[0]] = cases[0].kv_cache.view(torch.uint8)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -298,7 +285,7 @@ def test_fp8_e4m3_cuda_graph_replays_follow_the_engine_scale_gpu(heads, next_n):
         g_out, g_lse = be.forward(q, cache, md)
     for case in cases[1:] + cases[:1]:
         engine_scale.copy_(case.k_scale)
-        md = be.build(_batch(case, next_n=next_n, pad_to=4, k_scale=engine_scale))
+        md = be.build(batch_of(case, kv_dtype="fp8_e4m3", next_n=next_n, pad_to=4, k_scale=engine_scale))
         q.copy_(_padded(case.q, 4))
         cache.view(torch.uint8)[:case.kv_cache.shape[0]] = case.kv_cache.view(torch.uint8)
         graph.replay()
@@ -309,23 +296,3 @@ def test_fp8_e4m3_cuda_graph_replays_follow_the_engine_scale_gpu(heads, next_n):
         assert_decode_close(g_out[:B], g_lse[:B], *_reference(case), tol=TOL_GPU[torch.bfloat16],
                             what=f"k_scale {float(case.k_scale)}")
 
-
-@pytest.mark.gpu
-def test_fp8_e4m3_cache_write_matches_reference_gpu():
-    """The write kernel on the GPU: bitwise the reference's bytes (IEEE division, saturation,
-    round-half-even), slot -1 untouched, at DeepSeek size."""
-    spec = ModelSpec()
-    g = torch.Generator().manual_seed(3)
-    T, page, num_blocks = 300, 64, 8
-    slots = torch.randperm(num_blocks * page, generator=g)[:T]
-    slots[::7] = -1
-    latent = (torch.randn(T, spec.kv_lora_rank, generator=g) * torch.logspace(-5, 3, T)[:, None]).to(torch.bfloat16)
-    latent[0, :2] = torch.tensor([float("inf"), float("-inf")]).to(torch.bfloat16)
-    rope = torch.randn(T, spec.qk_rope_head_dim, generator=g).to(torch.bfloat16)
-    ks = torch.tensor([0.0173], device="cuda")
-    ref = mla_ref.make_kv_cache(spec, num_blocks, page, "fp8_e4m3", fill=float("nan"), device="cuda")
-    ours = ref.clone()
-    mla_ref.write_kv_cache(ref, latent.cuda(), rope.cuda(), slots.cuda(), spec=spec, k_scale=ks)
-    ops.write_kv_cache(ours, latent.cuda(), rope.cuda(), slots.cuda(), spec.kv_lora_rank, spec.qk_rope_head_dim,
-                       spec.fp8_group, k_scale=ks)
-    assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
