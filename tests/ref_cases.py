@@ -134,6 +134,27 @@ def oracle_dense(case: Case, *, causal: bool = True, softmax_scale: Optional[flo
     return masked_softmax_attention(scores, visible.unsqueeze(1), K[..., :spec.kv_lora_rank])
 
 
+def oracle_sparse(q, slot_values, indices, topk_length, q_lens, spec):
+    """fp64 softmax over exactly the counted valid slots of each token (a multiset).
+
+    ``slot_values`` fp64 ``[n_slots, d_qk]``: the key each global slot holds.
+    """
+    B, s_q, h, d = q.shape
+    out = torch.zeros(B, s_q, h, spec.kv_lora_rank, dtype=torch.float64)
+    lse = torch.full((B, h, s_q), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for i in range(q_lens[b]):
+            sel = [s for s in indices[b, i, :topk_length[b]].tolist() if s >= 0]
+            if not sel:
+                continue
+            K = slot_values[sel].unsqueeze(0)  # [1, n, d]
+            scores = torch.einsum("hd,btd->bht", q[b, i].double(), K).unsqueeze(2) * spec.softmax_scale
+            o, l = masked_softmax_attention(scores, torch.ones(1, 1, 1, len(sel), dtype=torch.bool),
+                                            K[..., :spec.kv_lora_rank])
+            out[b, i], lse[b, :, i] = o[0, 0], l[0, :, 0]
+    return out, lse
+
+
 def masked_softmax_attention(scores, visible, values):
     """``scores [B, h, s, n]``, ``visible`` bool broadcastable to it, ``values [B, n, v]`` ->
     ``(out [B, s, h, v], lse [B, h, s])``; a token with nothing visible gives 0 and -inf."""

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from mla_fuzz.mla_ref import ModelSpec, dequantize_kv_fp8, mla_decode
 from ref_cases import (MICRO, assert_close_rows, assert_lse_close, build_case, dense_params,
-                       masked_softmax_attention, oracle_dense)
+                       oracle_dense, oracle_sparse)
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=30)
 NEG_INF = float("-inf")
@@ -182,27 +182,6 @@ def test_zero_length_rows_and_padding_tokens_are_exact_zero_and_neg_inf():
 
 # ----------------------------------------------------------------------------- sparse
 
-def _sparse_oracle(q, slot_values, indices, topk_length, q_lens, spec):
-    """fp64 softmax over exactly the counted valid slots of each token (a multiset).
-
-    ``slot_values`` fp64 ``[n_slots, d_qk]``: the key each global slot holds.
-    """
-    B, s_q, h, d = q.shape
-    out = torch.zeros(B, s_q, h, spec.kv_lora_rank, dtype=torch.float64)
-    lse = torch.full((B, h, s_q), NEG_INF, dtype=torch.float64)
-    for b in range(B):
-        for i in range(q_lens[b]):
-            sel = [s for s in indices[b, i, :topk_length[b]].tolist() if s >= 0]
-            if not sel:
-                continue
-            K = slot_values[sel].unsqueeze(0)  # [1, n, d]
-            scores = torch.einsum("hd,btd->bht", q[b, i].double(), K).unsqueeze(2) * spec.softmax_scale
-            o, l = masked_softmax_attention(scores, torch.ones(1, 1, 1, len(sel), dtype=torch.bool),
-                                            K[..., :spec.kv_lora_rank])
-            out[b, i], lse[b, :, i] = o[0, 0], l[0, :, 0]
-    return out, lse
-
-
 @SETTINGS
 @given(p=dense_params(max_s_q=1, max_len=30), n_invalid=st.integers(0, 5), seed=st.integers(0, 2 ** 31 - 1))
 def test_sparse_over_the_whole_sequence_equals_dense_non_causal(p, n_invalid, seed):
@@ -243,7 +222,7 @@ def test_sparse_matches_direct_softmax_and_honours_topk_length(p, topk, data):
         garbage[b, :, int(topk_length[b]):] = -7 if b % 2 else 10 ** 6
         garbage[b, p["q_lens"][b]:] = -123
     slot_values = case.kv_cache.reshape(n_slots, case.spec.d_qk).double()
-    ref_out, ref_lse = _sparse_oracle(case.q, slot_values, indices, topk_length.tolist(), p["q_lens"], case.spec)
+    ref_out, ref_lse = oracle_sparse(case.q, slot_values, indices, topk_length.tolist(), p["q_lens"], case.spec)
     for idx in (indices, garbage):
         out, lse = mla_decode(*case.args(), spec=case.spec, q_lens=case.q_lens, indices=idx,
                               topk_length=topk_length)

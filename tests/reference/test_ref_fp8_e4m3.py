@@ -17,7 +17,7 @@ from mla_fuzz.mla_ref import (Capabilities, DecodeBatch, IndexerWeights, MLALaye
                               quantize_kv_fp8_e4m3, read_slots, write_kv_cache)
 from mla_fuzz.mla_ref.capabilities import ALL_KV_DTYPES
 from ref_cases import (MICRO, SMALL_SPECS, assert_close_rows, assert_lse_close, build_case, dense_params,
-                       masked_softmax_attention, oracle_dense)
+                       oracle_dense, oracle_sparse)
 
 SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=30)
 E4M3_MAX = 448.0
@@ -149,24 +149,6 @@ def test_decode_matches_fp64_softmax_over_the_hand_dequantised_cache(p, q_dtype,
         assert torch.equal(by_hand(rows, case.k_scale), keys)
 
 
-def _sparse_oracle(q, slot_values, indices, topk_length, q_lens, spec):
-    """fp64 softmax of each real token over exactly its counted valid slots (a multiset)."""
-    B, s_q, h, _ = q.shape
-    out = torch.zeros(B, s_q, h, spec.kv_lora_rank, dtype=torch.float64)
-    lse = torch.full((B, h, s_q), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        for i in range(q_lens[b]):
-            sel = [s for s in indices[b, i, :topk_length[b]].tolist() if s >= 0]
-            if not sel:
-                continue
-            K = slot_values[sel].unsqueeze(0)
-            scores = torch.einsum("hd,btd->bht", q[b, i].double(), K).unsqueeze(2) * spec.softmax_scale
-            o, l_ = masked_softmax_attention(scores, torch.ones(1, 1, 1, len(sel), dtype=torch.bool),
-                                             K[..., :spec.kv_lora_rank])
-            out[b, i], lse[b, :, i] = o[0, 0], l_[0, :, 0]
-    return out, lse
-
-
 @SETTINGS
 @given(p=dense_params(max_len=30), topk=st.integers(1, 12), data=st.data())
 def test_sparse_decode_matches_fp64_softmax_over_the_selected_slots(p, topk, data):
@@ -183,7 +165,7 @@ def test_sparse_decode_matches_fp64_softmax_over_the_selected_slots(p, topk, dat
     n_slots = case.kv_cache.shape[0] * case.kv_cache.shape[1]
     slot_values = by_hand(case.kv_cache.reshape(n_slots, case.spec.d_qk), case.k_scale)
     q_lens = p["q_lens"]
-    ref_out, ref_lse = _sparse_oracle(case.q, slot_values, indices, topk_length.tolist(), q_lens, case.spec)
+    ref_out, ref_lse = oracle_sparse(case.q, slot_values, indices, topk_length.tolist(), q_lens, case.spec)
     out, lse = mla_decode(*case.args(), spec=case.spec, q_lens=case.q_lens, indices=indices, topk_length=topk_length,
                           k_scale=case.k_scale)
     assert_close_rows(out, ref_out, rtol=1e-12)
