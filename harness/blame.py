@@ -154,6 +154,16 @@ def site_of(exc: BaseException, backend_cls, outer: tuple = ()) -> str | None:
     return f"compiled code called by {called.strip()}"
 
 
+def defined_at(fn) -> str | None:
+    """``file:line`` where a function or method is defined (a path relative to the working
+    folder when below it), or None for built-ins and code without source."""
+    try:
+        fn = inspect.unwrap(getattr(fn, "__func__", fn))
+        return f"{_short_path(Path(inspect.getsourcefile(fn)).resolve())}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError, ValueError):
+        return None
+
+
 def _short_path(p: Path) -> str:
     try:
         rel = os.path.relpath(p)

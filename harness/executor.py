@@ -25,7 +25,7 @@ from mla_fuzz.mla_ref import DecodeBatch
 
 from . import memory_guard
 from .audit import OpAudit, OpLog, tensor_fields
-from .blame import CUSTOM_OP_DOC, InternalError, call_backend, judge
+from .blame import CUSTOM_OP_DOC, InternalError, call_backend, defined_at, judge
 from .graphs import make_runner
 from .loading import make_backend
 from .oracles import (ORACLES, OracleFailure, check_contract, check_layer, check_out_lse, compare_bitwise,
@@ -156,7 +156,14 @@ class ScenarioRunner:
         fn = getattr(self.backend, "kv_splits", None)
         if not callable(fn):
             return
-        pieces = call_backend(lambda: [int(p) for p in fn(meta)])
+        got = call_backend(fn, meta)
+        try:
+            pieces = [int(p) for p in got]
+        except (TypeError, ValueError):
+            raise OracleFailure("contract", f"{type(self.backend).__name__}.kv_splits(metadata) (at {defined_at(fn)}) "
+                                f"must return one int per real row (the pieces its keys were cut into), got "
+                                f"{type(got).__name__}; docs/backends.md#kv_splits-optional", self.index,
+                                {"site": defined_at(fn)}) from None
         split = sum(1 for p in pieces if p > 1)
         self._notes += [("split", "rows", len(pieces)), ("split", "rows split", split)]
         if split:
@@ -483,7 +490,8 @@ class ScenarioRunner:
                 raise OracleFailure(
                     "address", f"metadata field '{path}' was at 0x{ptr:x} when graph {cap.size} was captured "
                     f"(and the graph reads it), but build() for this step returned it at 0x{t.data_ptr():x}: "
-                    f"the replay keeps reading the capture-time tensor", self.index,
+                    f"the replay keeps reading the capture-time tensor; copy_ the step's values into the "
+                    f"persistent buffer instead of returning a new tensor", self.index,
                     {"field": path, "size": cap.size})
         held = tensor_fields(self.backend, "backend")
         for path, ptr in cap.backend_ptrs.items():
@@ -493,8 +501,9 @@ class ScenarioRunner:
                 raise OracleFailure(
                     "address", f"the backend's attribute '{attr}' ({type(self.backend).__name__}, outside the "
                     f"metadata) was at 0x{ptr:x} when graph {cap.size} was captured (and the graph reads it), but "
-                    f"after build() for this step it is a new tensor at 0x{t.data_ptr():x}: the replay keeps "
-                    f"reading the capture-time tensor", self.index, {"field": attr, "size": cap.size})
+                    f"build() (at {defined_at(self.backend.build)}) replaced it with a new tensor at "
+                    f"0x{t.data_ptr():x}: the replay keeps reading the capture-time tensor; write the step's "
+                    f"values into the existing tensor (copy_) instead", self.index, {"field": attr, "size": cap.size})
 
 
 @contextlib.contextmanager

@@ -10,6 +10,8 @@ import torch
 
 from mla_fuzz.mla_ref import Capabilities, ModelSpec, capabilities_of
 
+from .blame import defined_at
+
 #: The constructor every backend is called with (``DecodeBackend``'s contract).
 SIGNATURE = "__init__(self, spec, *, device, max_batch, capture_sizes, graph_safe, **extra)"
 REQUIRED = ("device", "max_batch", "capture_sizes", "graph_safe")
@@ -84,10 +86,8 @@ def check_constructor(cls, ref: str | None = None) -> None:
                 if p.default is p.empty and p.name not in known]
     if takes_spec and not missing and not unfilled:
         return
-    try:
-        where = f" ({os.path.relpath(inspect.getsourcefile(cls.__init__))}:{inspect.getsourcelines(cls.__init__)[1]})"
-    except (TypeError, OSError, ValueError):
-        where = ""
+    site = defined_at(cls.__init__)
+    where = f" ({site})" if site else ""
     what = (f"cannot take {', '.join(missing)}" if missing else
             f"needs {', '.join(unfilled)}, which the harness never passes" if unfilled else "takes no spec")
     raise ValueError(f"backend {ref or cls.__name__!r}: __init__{sig}{where} {what}; expected {SIGNATURE} "

@@ -127,3 +127,19 @@ def test_search_draws_long_rows_replays_longer_than_captured_and_counts_splits()
     assert cov["split"]["rows"] == rows and cov["split"]["rows split"] == split > 0
     assert 0 < cov["split"]["scenarios split tiny"] <= cov["spec"]["tiny"] == report.examples
     assert "scenarios tiny" in dict(coverage_parts(cov))["split"]
+
+
+class BadSplitsReference(ReferenceBackend):
+    """``kv_splits`` answering something that is not one int per row."""
+
+    def kv_splits(self, metadata):
+        return "many"
+
+
+def test_a_kv_splits_that_answers_garbage_is_a_contract_finding_naming_its_line():
+    report = fuzz(f"{__name__}:BadSplitsReference", spec="tiny", graph_mode="emulated", examples=5, seed=0,
+                  shrink=False)
+    failure = report.repro["failure"]
+    assert failure["oracle"] == "contract" and report.repro["diagnosis"]["cls"] == "contract"
+    assert "BadSplitsReference.kv_splits(metadata) (at tests/harness/test_long_sequences.py:" in failure["message"]
+    assert "got str" in failure["message"]
