@@ -10,19 +10,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, Phase, Verbosity, reject, seed as hypothesis_seed, settings
+from hypothesis import HealthCheck, Phase, Verbosity, reject, seed as hypothesis_seed, settings, target
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
 
 from mla_fuzz.mla_ref import Capabilities, ModelSpec
 
 from .blame import CudaContextLost, is_cuda_error
+from .book import BOOK, BOOK_EXAMPLES, BOOK_EXTRA_STEPS, Opening
 from .executor import ScenarioRunner, StepUnsupported
 from .loading import supports_layer, supports_sparse
-from .oracles import OracleFailure, failure_key
+from .oracles import OracleFailure, failure_key, take_closeness
 from .scenario import ScenarioConfig, add_note, scenario_coverage, spec_family, step_coverage
 from .settle import settle
-from .strategies import batch_draws, configs, short_bound
+from .strategies import batch_draws, configs, paths_allowed, short_bound
 
 
 class FuzzFailure(Exception):
@@ -62,6 +64,10 @@ class Campaign:
     # one before (Hypothesis keeps a candidate only when it is), so it is the best so far.
     latest_failure: FuzzFailure | None = None
     deadline: float | None = None
+    # path -> the config of the simplest scenario of that path that a search block ran
+    # (Hypothesis starts every block with it; later blocks skip it)
+    zero_configs: dict = field(default_factory=dict)
+    block_zero: dict | None = None  # the first config the current block ran
     # Seconds shrinking may take after the first failure (None: Hypothesis' own bound).
     shrink_seconds: float | None = None
     # Called with (config, steps so far) right before each step runs, so a supervising
@@ -101,10 +107,24 @@ def _lost_context(exc: BaseException, step: int) -> None:
         raise CudaContextLost(f"step {step}: {first_line(links[-1])}") from None
 
 
-def make_machine(c: Campaign):
-    """A state-machine class bound to one campaign."""
-    layer_ok = supports_layer(c.backend_cls) and c.caps.layer
-    sparse_ok = supports_sparse(c.backend_cls) and c.caps.sparse
+def _path_flags(c: Campaign) -> tuple[bool, bool]:
+    return (supports_layer(c.backend_cls) and c.caps.layer, supports_sparse(c.backend_cls) and c.caps.sparse)
+
+
+def campaign_paths(c: Campaign) -> tuple:
+    """The data paths (``strategies.PATHS``) the campaign's backend takes."""
+    return paths_allowed(*_path_flags(c))
+
+
+def make_machine(c: Campaign, path: str | None = None, opening: Opening | None = None):
+    """A state-machine class bound to one campaign: scenarios on data ``path`` (None: drawn),
+    starting with ``opening``'s program (``harness.book``) when given."""
+    layer_ok, sparse_ok = _path_flags(c)
+    config_strategy = configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_seq_len=c.max_seq_len,
+                              page_sizes=c.page_sizes, sparse_ok=sparse_ok, caps=c.caps, path=path,
+                              book=opening is not None)
+    # the simplest scenario of this path as run by an earlier block: not run again
+    skip_config = None if opening is not None else c.zero_configs.get(path)
 
     class DecodeMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -114,19 +134,25 @@ def make_machine(c: Campaign):
             self.captured: set[int] = set()
             self._batch_strategies: dict = {}
             self.shrinking = False
+            self.closeness = 0.0
 
-        def _batches(self, rows: int, short: bool = False):
+        def _batches(self, rows: int, short: bool = False, long: bool = False, mdl: int | None = None,
+                     exact: bool = False):
             # one strategy object per row bound and scenario: Hypothesis re-validates a
             # fresh strategy object on every draw
-            key = (rows, short)
+            key = (rows, short, long, mdl, exact)
             if key not in self._batch_strategies:
-                self._batch_strategies[key] = batch_draws(self.cfg, rows, caps=c.caps,
-                                                          top=short_bound(self.cfg) if short else None)
+                self._batch_strategies[key] = batch_draws(
+                    self.cfg, rows, min_rows=rows if exact else 1, caps=c.caps,
+                    top=short_bound(self.cfg) if short else None, long=long,
+                    max_decode_len=None if mdl is None else min(mdl, self.cfg.next_n))
             return self._batch_strategies[key]
 
-        @initialize(cfg=configs(c.spec, layer_ok=layer_ok, vary_heads=c.vary_heads, max_seq_len=c.max_seq_len,
-                                page_sizes=c.page_sizes, sparse_ok=sparse_ok, caps=c.caps), data=st.data())
-        def setup(self, cfg, data):
+        def _book_batches(self, rows: int, short: bool = False, long: bool = False, mdl: int | None = None):
+            return self._batches(rows, short, long, mdl, exact=True)
+
+        @initialize(data=st.data())
+        def setup(self, data):
             # Out of budget (or asked to stop): end the search between scenarios — unless a
             # failure is being shrunk, which shrink_seconds bounds; stopping then would
             # make Hypothesis drop the failure as flaky.
@@ -137,7 +163,11 @@ def make_machine(c: Campaign):
             if not pending and ((c.deadline is not None and time.monotonic() > c.deadline)
                                 or (c.should_stop is not None and c.should_stop())):
                 raise BudgetExhausted()
-            self.cfg = cfg
+            self.cfg = cfg = data.draw(config_strategy, label="config")
+            if skip_config is not None and cfg.to_dict() == skip_config:
+                reject()
+            if c.block_zero is None and not pending:
+                c.block_zero = cfg.to_dict()
             self.split_seen = False
             key = "shrink_runs" if pending else "examples"
             c.stats[key] = c.stats.get(key, 0) + 1
@@ -147,6 +177,12 @@ def make_machine(c: Campaign):
             if not pending:  # coverage counts searched examples, not shrink re-runs
                 for key, value in scenario_coverage(cfg):
                     c.note(key, value)
+            if opening is not None:
+                for step in opening.program(data.draw, cfg, self._book_batches):
+                    self._run(step)
+                    if step["op"] == "capture":
+                        self.captured.add(step["size"])
+                return
             # Every scenario starts with a capture: the bugs we hunt need capture -> replay,
             # and a rule that merely *may* capture wastes most examples on eager-only runs.
             self._capture(data)
@@ -159,7 +195,9 @@ def make_machine(c: Campaign):
                     c.note(key, value)
             if c.on_step is not None:
                 c.on_step(self.cfg, self.steps, shrinking=self.shrinking)
+            take_closeness()
             self._guard(lambda: self._apply(step))
+            self.closeness = max(self.closeness, take_closeness())
             if not self.shrinking and self.runner is not None:
                 for key, value, amount in self.runner.take_notes():
                     if (key, value) == ("split", "steps split") and not self.split_seen:
@@ -249,6 +287,13 @@ def make_machine(c: Campaign):
                        "poison": data.draw(st.booleans(), label="poison")})
 
         def teardown(self):
+            if not self.shrinking and self.steps:
+                # steer the search (Hypothesis' target phase) towards scenarios whose outputs
+                # came nearer the tolerance and whose steps ran more distinct batch shapes
+                target(self.closeness, label="reference error / tolerance")
+                shapes = {(len(s["batch"]["seq_lens"]), max(s["batch"]["seq_lens"] or [0]),
+                           s["batch"].get("max_decode_len"), s.get("size")) for s in self.steps}
+                target(float(len(shapes)), label="distinct batch shapes")
             if self.runner is not None:
                 try:
                     self.runner.close()
@@ -259,23 +304,68 @@ def make_machine(c: Campaign):
     return DecodeMachine
 
 
+#: Examples per search block: the random search runs in blocks of this many examples, each on
+#: one data path, rotating through the paths (Hypothesis makes most new examples by mutating
+#: earlier ones, so a path drawn inside one long search came in runs: the FP8-output layer
+#: was one scenario in 30).
+PATH_BLOCK = 10
+
+
+def plan_blocks(paths: tuple, seed: int, max_examples: int, book: bool = True) -> list[tuple]:
+    """The search's blocks in order, ``(opening | None, path, examples, block seed)``: first
+    the opening book, each opening on one path (paired by ``seed``), then random blocks of
+    ``PATH_BLOCK`` examples (doubling each round, up to four times) rotating through ``paths``
+    from where the book left off; in all
+    ``max_examples`` examples."""
+    import hashlib
+    n = len(paths)
+    off = seed % n
+    blocks, left, k = [], max_examples, 0
+    for i, opening in enumerate(BOOK if book else ()):
+        if left <= 0:
+            break
+        take = min(BOOK_EXAMPLES, left)
+        blocks.append((opening, paths[(off + i) % n], take))
+        left -= take
+    while left > 0:
+        # blocks grow each round through the paths (10, 20, 40): short ones reach every path
+        # soon, longer ones give Hypothesis' mutation and target phases room
+        take = min(PATH_BLOCK << min(k // n, 2), left)
+        blocks.append((None, paths[(off + k) % n], take))
+        left -= take
+        k += 1
+    out = []
+    for j, (opening, path, take) in enumerate(blocks):
+        h = hashlib.blake2b(f"mla-fuzz-block:{seed}:{j}".encode(), digest_size=4).digest()
+        out.append((opening, path, take, int.from_bytes(h, "little")))
+    return out
+
+
 def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, shrink: bool = True,
-           database=None, shrink_seconds: float | None = None) -> FuzzFailure | None:
-    """Run up to ``max_examples`` scenarios with Hypothesis seeded by ``seed``; the minimal
-    failure (or None). ``BudgetExhausted`` propagates when ``c.deadline`` passes."""
-    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
-    s = settings(max_examples=max_examples, stateful_step_count=step_count, deadline=None, database=database,
-                 phases=phases, report_multiple_bugs=False, derandomize=False, print_blob=False,
-                 verbosity=Verbosity.quiet,
-                 suppress_health_check=list(HealthCheck))
+           database=None, shrink_seconds: float | None = None, book: bool = True) -> FuzzFailure | None:
+    """Run up to ``max_examples`` scenarios seeded by ``seed``: the opening book, then random
+    blocks rotating through the data paths (``plan_blocks``), each block its own Hypothesis
+    search; the minimal failure (or None). ``BudgetExhausted`` propagates when
+    ``c.deadline`` passes. ``book``: start with the opening book."""
     # shrinking is bounded by the machine itself (ShrinkTimeUp): Hypothesis' own bound is a
     # private module constant
     c.shrink_seconds = shrink_seconds
     settle(c.backend_cls)
-    try:
-        run_state_machine_as_test(hypothesis_seed(seed)(make_machine(c)), settings=s)
-    except FuzzFailure as f:
-        return f
-    except ShrinkTimeUp:
-        return c.latest_failure
+    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target] + ([Phase.shrink] if shrink else [])
+    for opening, path, examples, block_seed in plan_blocks(campaign_paths(c), seed, max_examples, book):
+        s = settings(max_examples=examples, deadline=None, database=database, phases=phases,
+                     stateful_step_count=BOOK_EXTRA_STEPS if opening is not None else step_count,
+                     report_multiple_bugs=False, derandomize=False, print_blob=False,
+                     verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))
+        c.block_zero = None
+        try:
+            run_state_machine_as_test(hypothesis_seed(block_seed)(make_machine(c, path, opening)), settings=s)
+        except FuzzFailure as f:
+            return f
+        except ShrinkTimeUp:
+            return c.latest_failure
+        except Unsatisfiable:
+            pass  # every scenario of this block was declined or skipped: the counts say so
+        if opening is None and path not in c.zero_configs and c.block_zero is not None:
+            c.zero_configs[path] = c.block_zero
     return None

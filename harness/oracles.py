@@ -131,9 +131,22 @@ def _index(flat_idx: int, shape) -> tuple:
     return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_idx), tuple(shape)))
 
 
+#: The worst ``|a - e| / (atol + rtol*|e|)`` of the tolerance comparisons since the last
+#: ``take_closeness()``: how near a passing comparison came to failing (the search steers
+#: towards larger values with ``hypothesis.target``).
+_closeness = [0.0]
+
+
+def take_closeness() -> float:
+    """The worst closeness ratio seen since the last call (0.0 when none), and reset it."""
+    worst, _closeness[0] = _closeness[0], 0.0
+    return worst
+
+
 def compare_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> Mismatch | None:
     """Elementwise ``|a - e| <= atol + rtol*|e|``; equal infinities and NaN-vs-NaN never
-    pass silently: a NaN on either side is a mismatch. Dim 0 is the batch row."""
+    pass silently: a NaN on either side is a mismatch. Dim 0 is the batch row. A passing
+    comparison notes its worst ratio to the tolerance (``take_closeness``)."""
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     if a.shape != e.shape:
@@ -141,8 +154,11 @@ def compare_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rto
     both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
     diff = torch.where(both_inf, torch.zeros_like(a), (a - e).abs())
     diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
-    bad = diff > atol + rtol * e.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    tol = atol + rtol * e.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    bad = diff > tol
     if not bool(bad.any()):
+        if diff.numel() and (atol > 0 or rtol > 0):
+            _closeness[0] = max(_closeness[0], float((diff / tol.clamp_min(1e-30)).max()))
         return None
     rel = diff / e.abs().clamp_min(1e-12)
     ia = int(diff.argmax())

@@ -6,7 +6,7 @@ terminal, a CI log and a test; ``harness.progress`` adds rich formatting on a TT
 from __future__ import annotations
 
 # The dimensions the live display and the summary show first, in this order.
-COVERAGE_ORDER = ("next_n", "kv_dtype", "mtp", "padding", "seq_len", "longest", "split", "op", "layer", "fp8_out",
+COVERAGE_ORDER = ("next_n", "kv_dtype", "mtp", "padding", "seq_len", "longest", "split", "op", "path",
                   "page_size", "heads", "spec")
 COVERAGE_LABEL = {"kv_dtype": "kv", "mtp": "MTP", "padding": "padding", "seq_len": "seq_len",
                   "op": "ops", "page_size": "page"}
@@ -95,6 +95,15 @@ def coverage_parts(cov: dict) -> list[tuple[str, str]]:
             continue
         if k == "split":
             out.append(("split", split_text(vals, cov.get("spec") or {})))
+            continue
+        if k == "path":  # shares of scenarios: the issue was a path drawn one time in 30
+            total = sum(vals.values()) or 1
+            out.append(("path", " ".join(f"{v}:{n} ({100 * n / total:.0f}%)" for v, n in sorted(vals.items()))))
+            continue
+        if k == "padding":  # the share of steps that ran padded rows
+            steps = sum((cov.get("op") or {}).values())
+            n = sum(vals.values())
+            out.append(("padding", f"{n} steps with padded rows" + (f" ({100 * n / steps:.0f}% of steps)" if steps else "")))
             continue
         items = sorted(vals.items(), key=lambda kv: (_num(kv[0]), kv[0]))
         out.append((COVERAGE_LABEL.get(k, k), " ".join(f"{v}:{n}" for v, n in items)))

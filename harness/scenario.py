@@ -59,6 +59,14 @@ class ScenarioConfig:
         return 1 + self.max_batch * self.max_pages_per_seq + 3
 
     @property
+    def path(self) -> str:
+        """The data path: ``attention``, ``layer``, ``layer+fp8_out`` or ``sparse`` (with the
+        device indexer: ``sparse+indexer``)."""
+        if self.sparse:
+            return "sparse+indexer" if self.indexer else "sparse"
+        return ("layer+fp8_out" if self.fp8_out else "layer") if self.layer else "attention"
+
+    @property
     def max_seq_len(self) -> int:
         return self.page_size * self.max_pages_per_seq
 
@@ -135,7 +143,7 @@ def spec_family(spec: dict) -> str:
 def scenario_coverage(cfg: ScenarioConfig) -> list[tuple[str, str]]:
     """The coverage notes (dimension, value) a new scenario adds."""
     from mla_fuzz.mla_ref import ModelSpec
-    notes = [(k, str(getattr(cfg, k))) for k in ("kv_dtype", "next_n", "layer", "fp8_out", "page_size", "sparse")]
+    notes = [(k, str(getattr(cfg, k))) for k in ("kv_dtype", "next_n", "page_size", "path")]
     return notes + [("heads", str(ModelSpec.from_dict(cfg.spec).num_heads)), ("spec", spec_family(cfg.spec))]
 
 

@@ -40,6 +40,11 @@ MIN_SCENARIO_LEN = 32
 SCENARIO_LENGTHS = 6
 
 
+#: The data paths a scenario takes (``ScenarioConfig.path``'s values): the attention op alone,
+#: the whole layer (cache write, projections), the layer with per-tensor FP8 output, sparse.
+PATHS = ("attention", "layer", "layer+fp8_out", "sparse")
+
+
 def pool_for(max_batch: int, max_seq_len: int, page_size: int) -> int:
     """Pages of a scenario's KV pool (null block included): a token budget of
     ``max(2 * max_seq_len, max_batch * min(max_seq_len, SHORT_ROW))`` shared by the step's
@@ -72,11 +77,15 @@ def scenario_lengths(max_seq_len: int) -> tuple:
 @st.composite
 def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = True,
             max_seq_len: int = 512, page_sizes=(4, 16, 64), sparse_ok: bool = False,
-            caps: Capabilities = _ALL) -> ScenarioConfig:
+            caps: Capabilities = _ALL, path: str | None = None, book: bool = False) -> ScenarioConfig:
     """A ``ScenarioConfig`` around ``base`` (heads varied for small specs), drawn inside the
     backend's ``caps``: sequences up to a drawn length of at most ``max_seq_len`` tokens
     (``scenario_lengths``), in a KV pool of ``pool_for`` pages. ``sparse_ok``: the backend
-    takes sparse batches, so a scenario may be sparse (then attention-only)."""
+    takes sparse batches, so a scenario may be sparse (then attention-only). The data path is
+    one of ``PATHS`` that the backend takes, each equally likely (Hypothesis draws them in
+    runs Hypothesis draws them in: the search rotates ``path``, given, through them). ``book``:
+    for the opening book (``harness.book``): the simplest draw is the hardest shape instead of
+    the smallest (the longest scenario length, the largest next_n, two capture sizes)."""
     spec = base
     heads = TINY_HEADS if vary_heads and base.num_heads <= 16 else (base.num_heads,)
     if caps.heads is not None:
@@ -88,34 +97,49 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
                   if k in caps.kv_dtypes and (k in FP8_FORMATS or k in caps.q_dtypes)]
     kv_dtype = draw(st.sampled_from(kv_choices))
     q_dtype = kv_dtype if kv_dtype not in FP8_FORMATS else ("bf16" if "bf16" in caps.q_dtypes else "fp16")
-    sizes = sorted(draw(st.sets(st.sampled_from(CAPTURE_POOL), min_size=1, max_size=3)))
-    layer = layer_ok and draw(st.booleans())
-    fp8_out = layer and draw(st.booleans())
+    sizes = sorted(draw(st.sets(st.sampled_from(CAPTURE_POOL), min_size=2 if book else 1, max_size=3)))
+    # the data path, one of those the backend takes, each equally often: a sparse draw that
+    # overrode the layer turned the FP8-output layer (the only path by which padding garbage
+    # reaches real rows through the batch-wide amax) into one scenario in 30
+    path = draw(_paths(layer_ok, sparse_ok)) if path is None else path
+    layer, fp8_out = path in ("layer", "layer+fp8_out"), path == "layer+fp8_out"
     if caps.page_sizes is not None:
         page_sizes = tuple(p for p in page_sizes if p in caps.page_sizes) or caps.page_sizes
     page_size = draw(st.sampled_from(page_sizes))
     top = max_seq_len if caps.max_seq_len is None else min(max_seq_len, caps.max_seq_len)
-    length = draw(_lengths(max(1, top)))
-    pages = max(1, -(-length // page_size))
+    length = draw(_lengths(max(1, top), book))
+    # whole pages within the drawn length: rows never exceed --max-seq-len (a length below
+    # one page still gets the page)
+    pages = max(1, length // page_size)
     if caps.max_seq_len is not None:
         pages = max(1, min(pages, caps.max_seq_len // page_size))
     cfg = ScenarioConfig(
         spec=spec.to_dict(), kv_dtype=kv_dtype, q_dtype=q_dtype, page_size=page_size,
-        next_n=draw(st.sampled_from(caps.next_n)), capture_sizes=sizes,
+        next_n=draw(st.sampled_from(caps.next_n[::-1] if book else caps.next_n)), capture_sizes=sizes,
         max_pages_per_seq=pages, layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)),
         pool_pages=pool_for(max(sizes), pages * page_size, page_size))
-    # drawn last, so the draws above keep their meaning for existing repro files and seeds
-    if sparse_ok and draw(st.booleans()):
-        cfg.sparse, cfg.layer, cfg.fp8_out = True, False, False
+    if path == "sparse":
+        cfg.sparse = True
         cfg.topk = draw(st.sampled_from(TOPK_TINY if base.num_heads <= 16 else (64, 2048)))
         # the ragged (engine-selected) path carries most bug classes: 2 in 3
         cfg.indexer = draw(st.sampled_from((False, False, True)))
     return cfg
 
 
+def paths_allowed(layer_ok: bool, sparse_ok: bool) -> tuple:
+    """The ``PATHS`` a backend takes (layer steps, sparse batches)."""
+    return tuple(p for p in PATHS if (layer_ok or not p.startswith("layer")) and (sparse_ok or p != "sparse"))
+
+
 @functools.lru_cache(maxsize=None)
-def _lengths(top: int) -> st.SearchStrategy:
-    return st.sampled_from(scenario_lengths(top))
+def _paths(layer_ok: bool, sparse_ok: bool) -> st.SearchStrategy:
+    return st.sampled_from(paths_allowed(layer_ok, sparse_ok))
+
+
+@functools.lru_cache(maxsize=None)
+def _lengths(top: int, longest_first: bool = False) -> st.SearchStrategy:
+    lengths = scenario_lengths(top)
+    return st.sampled_from(lengths[::-1] if longest_first else lengths)
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,19 +169,32 @@ def short_bound(cfg: ScenarioConfig) -> int:
     return max(cfg.page_size, cfg.max_seq_len // 8)
 
 
+@functools.lru_cache(maxsize=None)
+def _long_strategy(lo: int, top: int) -> st.SearchStrategy:
+    # shrinks towards the longest row, not the shortest
+    return st.integers(0, max(0, top - lo)).map(lambda d: top - d)
+
+
 @st.composite
 def batch_draws(draw, cfg: ScenarioConfig, max_rows: int, min_rows: int = 1, allow_empty_rows: bool = True,
-                caps: Capabilities = _ALL, top: int | None = None) -> dict:
+                caps: Capabilities = _ALL, top: int | None = None, long: bool = False,
+                max_decode_len: int | None = None) -> dict:
     """A ``BatchDraw`` (scenario.py) with 1..max_rows requests, inside ``caps``: with
     ``mtp="uniform"`` every real request has ``next_n`` query tokens, with ``"none"`` one;
     without ``empty_rows`` no real request has seq_len 0. Rows are at most ``top`` tokens
     (default: the scenario's length) and share the pool's ``token_budget``: a row drawn
-    longer than what is left is cut to it."""
+    longer than what is left is cut to it. ``long``: rows drawn from the upper half of the
+    range (at most an equal share of the pool each), the longest first (the opening book's
+    "replay longer"); ``max_decode_len``: fixed
+    instead of drawn (ragged MTP only)."""
     B = draw(_int(min_rows, max_rows))
     ragged = caps.mtp == "ragged"
-    mdl = draw(_int(1, cfg.next_n)) if ragged else cfg.next_n
+    mdl = (max_decode_len if max_decode_len is not None else draw(_int(1, cfg.next_n))) if ragged else cfg.next_n
     empty_ok = allow_empty_rows and caps.empty_rows
-    lens = seq_len_values(cfg, top)
+    bound = cfg.max_seq_len if top is None else min(top, cfg.max_seq_len)
+    if long:  # every row real: each as long as an equal share of the pool allows
+        bound = max(1, min(bound, token_budget(cfg) // B))
+    lens = _long_strategy(bound // 2, bound) if long else seq_len_values(cfg, top)
     floor = 1 if ragged else mdl  # shortest sequence that holds the step's query tokens
     left = token_budget(cfg)
     seq_lens, q_lens = [], []

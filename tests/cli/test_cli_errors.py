@@ -107,7 +107,7 @@ def test_counts_add_up_when_a_failure_is_shrunk(tmp_path, capsys, monkeypatch):
     assert code == 1
     assert rep["failures"][0]["shrunk"] and rep["shrink_runs"] > 0 and f"shrinking: {rep['shrink_runs']} re-run" in out
     assert rep["examples"] <= 4 + sum(rep["unsupported"].values())
-    for table in ("kv_dtype", "next_n", "page_size", "heads", "spec", "layer", "fp8_out"):
+    for table in ("kv_dtype", "next_n", "page_size", "heads", "spec", "path"):
         assert sum(rep["coverage"][table].values()) == rep["examples"], table
     assert sum(rep["coverage"]["op"].values()) == rep["steps"]
     assert display.counts and all(c <= rep["examples"] and s <= rep["steps"] for c, s in display.counts)

@@ -54,21 +54,23 @@ def test_failure_is_written_and_replays(tmp_path, fakes, capsys):
 
 
 def test_abort_is_a_crash_with_a_reduced_repro(tmp_path, fakes, capsys):
-    # seed 1: the first crash comes at the third step of its scenario (the first real row with
-    # seq_len >= 20); the crash needs only that step, so the repro is reduced to it.
+    # the first scenario (the opening book's "grow") crashes at its third step, the first padded
+    # batch with a real row of seq_len >= 20; the crash needs only its graph's capture and that
+    # replay, so the repro is reduced to those two steps.
     code, out, rep, files = _campaign(tmp_path, capsys, "cli_fakes:AbortLongBackend", "eager",
                                       "--examples", "2", "--seed", "1")
     assert code == 1, out
     assert rep["restarts"] >= 1
     crash = [f for f in rep["failures"] if f["class"] == "crash"]
     assert len(crash) == 1 and crash[0]["oracle"] == "worker-died"
-    assert crash[0]["reduced_from"] == 3 and crash[0]["steps"] == 1
+    assert crash[0]["reduced_from"] == 3 and crash[0]["steps"] == 2
     assert files == [Path(crash[0]["path"])]           # the unreduced repro was replaced, not kept
     data = load_repro(files[0])
-    assert [s["op"] for s in data["steps"]] == ["eager"] and data["failure"]["step"] == 0
-    assert max(data["steps"][0]["batch"]["seq_lens"]) >= 20
+    assert [s["op"] for s in data["steps"]] == ["capture", "replay"] and data["failure"]["step"] == 1
+    last = data["steps"][1]
+    assert max(last["batch"]["seq_lens"]) >= 20 and len(last["batch"]["seq_lens"]) < last["size"]
     assert "SIGABRT" in data["failure"]["message"] and "cli_fakes.py" in data["failure"]["message"]
-    assert data["failure"]["message"].startswith("step 0 (eager)")
+    assert data["failure"]["message"].startswith("step 1 (replay)")
 
     # replay runs it in a worker process: the abort is reported, the command survives it
     code, out, _ = _run(["replay", str(files[0])], capsys)
