@@ -15,6 +15,16 @@ Every time (``found_at_s``, ``elapsed``, the budget) counts from the command's s
 (``CampaignOptions.started_at``). Counts (examples, steps, coverage) are of searched
 examples only; shrink re-runs and diagnosis time are counted apart.
 
+Before the first chunk, a warmup phase (``CampaignOptions.warmup``, ``harness.warmup``) may
+run a fixed list of scenarios on the same workers, so the kernel variants are compiled
+once, in parallel, into Triton's cache; it is skipped when a marker says this machine
+already did it. Its time is inside the campaign's clock (times still count from the
+command's start) and reported apart (``warmup_s``).
+
+Two specs (``CampaignOptions.spec`` ``"tiny,deepseek-v3"``) are fuzzed interleaved: chunk ``k``
+fuzzes ``chunk_spec(specs, k)`` (even chunks the first spec, odd ones the second), seeded
+``chunk_seed(seed, k)`` as ever.
+
 A worker that dies or hangs mid-step becomes a ``crash`` / ``hang`` failure with a repro
 built from its in-flight scenario (``harness.crash_repro``), reduced in fresh workers, and
 the campaign goes on with a restarted worker.
@@ -52,6 +62,12 @@ def chunk_seed(seed: int, k: int) -> int:
     return int.from_bytes(h, "little")
 
 
+def chunk_spec(specs, k: int) -> str:
+    """The spec chunk ``k`` fuzzes when a campaign interleaves ``specs`` (a tuple of spec names):
+    they take turns, ``specs[k % len(specs)]``, whichever worker or shard runs the chunk."""
+    return specs[k % len(specs)]
+
+
 def shard_chunks(examples: int, chunk: int, shard: tuple = (0, 1)) -> list[tuple[int, int]]:
     """``(k, examples)`` of the chunks that shard ``I/N`` of an ``examples``-bounded campaign
     runs: the unsharded campaign's chunks ``k`` (``examples`` in chunks of ``chunk``) with
@@ -67,6 +83,8 @@ class CampaignOptions:
 
     backend: str = "triton"
     graph: str = "emulated"
+    # one spec name, or several comma-separated ("tiny,deepseek-v3"): chunks take turns
+    # (``chunk_spec``)
     spec: str = "tiny"
     budget_s: float | None = 60.0
     examples: int | None = None
@@ -94,6 +112,29 @@ class CampaignOptions:
     # when the user started the command (epoch seconds, e.g. the process start of
     # ``mla-fuzz run``): the campaign's clock counts from there; None = when ``run()`` starts
     started_at: float | None = None
+    # the warmup phase before the first chunk (``harness.warmup.WarmupPlan``); None: none
+    warmup: object = None
+
+    @property
+    def specs(self) -> tuple:
+        """The spec names the campaign fuzzes, in turn order."""
+        return tuple(x.strip() for x in str(self.spec).split(",") if x.strip())
+
+    @property
+    def device(self) -> str:
+        """``cuda`` when the workers run the kernels on a GPU, else ``cpu`` (for per-spec defaults)."""
+        if self.graph == "cuda":
+            return "cuda"
+        env = self.worker_envs[0] if self.worker_envs else {}
+        return "cuda" if self.graph == "eager" and env.get("CUDA_VISIBLE_DEVICES") not in (None, "") else "cpu"
+
+    def max_seq_len_of(self, spec: str) -> int:
+        """The longest sequence drawn for ``spec``: ``max_seq_len`` when given, else the spec's
+        default on this device (``fuzz.default_max_seq_len``)."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        from .fuzz import default_max_seq_len
+        return default_max_seq_len(spec, self.device)
 
 
 #: The class of a failure seen but not yet shrunk and diagnosed (its repro has no diagnosis).
@@ -152,6 +193,29 @@ class CampaignResult:
     shrink_runs: int = 0                              # scenarios re-run by Hypothesis' shrinking
     shrink_s: float = 0.0                             # chunk time from first sight to the end of the search
     diagnose_s: float = 0.0                           # chunk time spent diagnosing the failures found
+    warmup: object = None                             # the warmup phase (``warmup.WarmupOutcome``), if any
+    by_spec: dict = field(default_factory=dict)       # spec -> {"examples", "steps", "chunks"} (searched)
+
+    def count_spec(self, spec: str | None, examples: int = 0, steps: int = 0, chunks: int = 0) -> None:
+        if spec is None:
+            return
+        d = self.by_spec.setdefault(spec, {"examples": 0, "steps": 0, "chunks": 0})
+        d["examples"] += int(examples)
+        d["steps"] += int(steps)
+        d["chunks"] += int(chunks)
+
+    def specs_dict(self) -> dict:
+        """Per spec: searched examples, steps, chunks and the longest sequence drawn."""
+        o = self.options
+        out = {}
+        for spec in o.specs:
+            d = self.by_spec.get(spec, {"examples": 0, "steps": 0, "chunks": 0})
+            try:
+                longest = o.max_seq_len_of(spec)
+            except Exception:  # an unknown spec name: the campaign's own error says so
+                longest = o.max_seq_len
+            out[spec] = {**d, "max_seq_len": longest}
+        return out
 
     @property
     def rate(self) -> float:
@@ -159,6 +223,7 @@ class CampaignResult:
 
     def to_dict(self) -> dict:
         o = self.options
+        w = None if self.warmup is None else self.warmup.to_dict()
         return {
             "format": "mla-fuzz-report/1", "backend": o.backend, "graph_mode": o.graph, "spec": o.spec,
             "seed": o.seed, "budget_s": o.budget_s, "examples_limit": o.examples, "workers": self.workers,
@@ -175,6 +240,13 @@ class CampaignResult:
             "failures_by_class": dict(self.failures),
             "failures": [f.to_dict() for f in self.findings.values()], "errors": self.errors,
             "warnings": self.warnings, "shard": list(o.shard), "chunks_run": sorted(self.chunks_run),
+            "specs": self.specs_dict(),
+            # the warmup phase: null when there was none; warm true when a marker said this
+            # machine had done it (nothing ran), false when it ran here
+            "warm": None if w is None else w["warm"], "warmup_s": None if w is None else w["seconds"],
+            "warmup_scenarios": None if w is None else w["scenarios"], "warmup": w,
+            "clock": "every time (elapsed_s, found_at_s, reduced_at_s, the budget) counts from the command's start: "
+                     "imports, worker start-up and the warmup phase included",
         }
 
 
@@ -213,11 +285,12 @@ def clean_stale_temps(corpus: Path, older_than_s: float = 60.0) -> None:
 class _Live:
     """Counters of a running fuzz chunk, from its step messages (reports come at the end)."""
 
-    __slots__ = ("examples", "steps", "coverage")
+    __slots__ = ("examples", "steps", "coverage", "spec")
 
-    def __init__(self):
+    def __init__(self, spec: str | None = None):
         self.examples = 0
         self.steps = 0
+        self.spec = spec
         self.coverage: dict = {}  # merged only when the chunk dies before its report
 
     def note(self, notes) -> None:
@@ -299,6 +372,8 @@ class CampaignRun:
         try:
             pool.start()
             self.result.state = "starting workers"
+            if opts.warmup is not None:
+                self._warmup(pool)
             self._loop(pool)
         finally:
             pool.close(kill=self._hard or self.result.interrupted)
@@ -354,6 +429,57 @@ class CampaignRun:
                 f"alone without MPS: most likely another worker's GPU fault ended it (MPS shares faults among the "
                 f"processes on a GPU); its repro is kept in {moved}")
 
+    def _warmup(self, pool: Pool) -> None:
+        """The warmup phase (``harness.warmup``) on the campaign's workers, before any chunk:
+        skipped when every spec's marker is there; stopped by the budget or Ctrl-C (its running
+        scenarios are ended: nothing is lost, they find nothing)."""
+        from .warmup import WorkerFatal, run_warmup, skipped, summary_line
+
+        plan = self.opts.warmup
+        if plan.warm:
+            self.result.warmup = skipped(plan)
+            self._note(summary_line(self.result.warmup))
+            return
+        n = sum(len(s.scenarios) for s in plan.todo)
+        self.result.state = f"warmup 0/{n} scenarios"
+        self._note(f"{self._elapsed():.1f}s: warmup: compiling the kernel variants of {n} scenario(s) "
+                   f"({plan.describe()}) on {len(pool.workers)} worker(s) into {plan.cache_dir} "
+                   f"(--no-warmup skips it; `mla-fuzz warmup` does it ahead)")
+        last = [0.0]
+
+        def tick(done: int, total: int) -> None:
+            if self.result.startup_s is None and any(w.ready for w in pool.workers):
+                self.result.startup_s = self._elapsed()
+            self.result.state = f"warmup {done}/{total} scenarios"
+            now = time.monotonic()
+            if self.display is not None and now - last[0] >= 0.25:
+                last[0] = now
+                self._draw()
+
+        def stop() -> bool:
+            left = self._time_left()
+            return self._stopping or (left is not None and left <= 0.2)
+
+        def kill() -> bool:
+            left = self._time_left()
+            return self._hard or self.result.interrupted or (left is not None and left < -STOP_GRACE_S)
+
+        try:
+            out = run_warmup(plan, pool, note=self._note, on_tick=tick, stop=stop, kill=kill)
+        except WorkerFatal as exc:
+            self.result.errors.append(str(exc))
+            self.result.error_kind = "internal"
+            self._hard = True
+            return
+        self.result.warmup = out
+        self.result.warnings += ["warmup: " + w for w in out.warnings]
+        if not out.completed and not self.result.interrupted:
+            self.result.warnings.append(
+                f"warmup: the budget ended the warmup after {out.ran} of {out.planned} scenarios; the rest compile "
+                f"on the way (run `mla-fuzz warmup` once to pay it ahead)")
+        self.result.state = "running" if any(w.ready for w in pool.workers) else "starting workers"
+        self._note(f"{self._elapsed():.1f}s: " + summary_line(out, len(pool.workers)))
+
     # -- loop ----------------------------------------------------------------------------
     def _elapsed(self) -> float:
         return time.monotonic() - self._t0
@@ -405,10 +531,11 @@ class CampaignRun:
         self._next_chunk += opts.shard[1]
         self._dispatched += n
         tid = f"c{k}"
-        self._live[tid] = _Live()
+        spec = chunk_spec(opts.specs, k)
+        self._live[tid] = _Live(spec)
         seed = chunk_seed(opts.seed, k)
         self.result.chunks_run.append([k, seed])
-        return {"op": "fuzz", "id": tid, "backend": opts.backend, "graph": opts.graph, "spec": opts.spec,
+        return {"op": "fuzz", "id": tid, "backend": opts.backend, "graph": opts.graph, "spec": spec,
                 "examples": n, "seed": seed, "budget_s": self._time_left(), "shrink": True,
                 "shrink_seconds": shrink_seconds(opts.budget_s), "chunk": k, "narrow": opts.narrow,
                 "strict_contiguity": opts.strict_contiguity, "known": sorted(self._known),
@@ -469,6 +596,7 @@ class CampaignRun:
         for v in self._live.values():
             self.result.examples += v.examples
             self.result.steps += v.steps
+            self.result.count_spec(v.spec, v.examples, v.steps)
             merge_coverage(self.result.coverage, v.coverage)
         self._live.clear()
 
@@ -518,6 +646,7 @@ class CampaignRun:
             self.result.chunks += 1
             self.result.examples += int(rep.get("examples") or 0)
             self.result.steps += int(rep.get("steps") or 0)
+            self.result.count_spec(task.get("spec"), rep.get("examples") or 0, rep.get("steps") or 0, 1)
             self.result.shrink_runs += int(rep.get("shrink_runs") or 0)
             self.result.shrink_s += float(rep.get("shrink_seconds") or 0.0)
             self.result.diagnose_s += float(rep.get("diagnose_seconds") or 0.0)
@@ -558,6 +687,7 @@ class CampaignRun:
         if live is not None:
             self.result.examples += live.examples
             self.result.steps += live.steps
+            self.result.count_spec(live.spec, live.examples, live.steps, 1)
             merge_coverage(self.result.coverage, live.coverage)
             self.result.chunks += 1
             if self.opts.examples is not None:

@@ -1,4 +1,5 @@
-"""``mla-fuzz``: the command line (``run``, ``replay``, ``merge``, ``mutants``, ``bisect``, ``bench``).
+"""``mla-fuzz``: the command line (``run``, ``replay``, ``merge``, ``mutants``, ``bisect``, ``bench``,
+``warmup``).
 
 Exit codes: 0 nothing found (or every repro fixed); 1 failures found (a repro still
 fails, a mutant escaped or the clean backend was flagged); 2 usage or input error (bad
@@ -22,6 +23,10 @@ from .atomic import write_text_atomic
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 SPECS = ("tiny", "deepseek-v3")
+#: ``--spec`` of ``run`` and ``warmup``: one spec, or ``both`` (interleaved chunks)
+SPEC_CHOICES = SPECS + ("both",)
+SPEC_HELP = ("model dimensions: tiny, deepseek-v3 or both (default: both on a GPU, interleaved chunks: tiny for "
+             "speed, deepseek-v3 for the real kernels and tile shapes; tiny on CPU)")
 GRAPHS = ("auto", "cuda", "emulated", "eager")
 DEFAULT_BUDGET_S = 60.0
 DEFAULT_CASE_TIMEOUT_S = 300.0
@@ -112,6 +117,16 @@ def _workers(text: str):
     return "auto" if str(text).strip().lower() == "auto" else _positive_int("--workers", text)
 
 
+def _add_warmup_flags(parser, what: str = "the kernel variants the campaign reaches") -> None:
+    grp = parser.add_argument_group("warmup", f"compile {what} once per machine, in parallel on the workers, "
+                                    "as the first phase (default: on a GPU, unless a marker in Triton's cache "
+                                    "folder says this machine already did; see `mla-fuzz warmup`)")
+    ex = grp.add_mutually_exclusive_group()
+    ex.add_argument("--warmup", action="store_true", help="run the warmup phase on CPU too (the interpreter "
+                    "compiles nothing: for tests)")
+    ex.add_argument("--no-warmup", action="store_true", help="no warmup phase: kernels compile on the way")
+
+
 def _build_parser() -> _Parser:
     ap = _Parser(prog="mla-fuzz", description="Property-based fuzzer for MLA decode backends under CUDA graphs.")
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
@@ -125,7 +140,7 @@ def _build_parser() -> _Parser:
     target.add_argument("--mutant", default=None, metavar="NAME", help="shorthand for --backend mutant:NAME")
     target.add_argument("--graph", default="auto", choices=GRAPHS,
                         help="graph mode (default auto: cuda with a GPU, else emulated)")
-    target.add_argument("--spec", default="tiny", choices=SPECS, help="model dimensions (default tiny)")
+    target.add_argument("--spec", default=None, choices=SPEC_CHOICES, help=SPEC_HELP)
     scope = run.add_argument_group("scope", "narrow what is drawn below what the backend declares "
                                    "(its `capabilities`; docs/backends.md#capabilities)")
     narrowing.add_arguments(scope)
@@ -157,6 +172,7 @@ def _build_parser() -> _Parser:
     out.add_argument("--json", default=None, metavar="REPORT", help="write the campaign report as JSON")
     out.add_argument("--quiet", action="store_true", help="no live progress")
     out.add_argument("--no-reduce", action="store_true", help="do not reduce crash/hang repros")
+    _add_warmup_flags(run)
 
     rep = sub.add_parser("replay", help="re-run repro files deterministically",
                          description="Re-run repro files; print the minimal steps and the diagnosis. Exit 1 if one "
@@ -194,6 +210,31 @@ def _build_parser() -> _Parser:
     mut.add_argument("--corpus", default=None, metavar="DIR", help="also write each row's repro here")
     mut.add_argument("--strict", action="store_true", help="exit 1 also when a diagnosis is not an expected one")
     mut.add_argument("--json", default=None, metavar="FILE", help="write the matrix as JSON")
+    _add_warmup_flags(mut, what="the clean triton backend's kernel variants, before the rows")
+
+    wu = sub.add_parser("warmup", help="compile the kernel variants a campaign reaches, once per machine",
+                        description="Run a fixed list of small scenarios spanning what the search draws for the "
+                        "backend (its capabilities, narrowed by the scope flags), split across worker processes, "
+                        "so Triton compiles each kernel variant once into its cache (TRITON_CACHE_DIR, else "
+                        "~/.triton/cache) for every later worker; a marker there makes the next warmup, and run / "
+                        "mutants on a GPU, skip it. A failure here is a warning, never a finding. Exit 0 done or "
+                        "already warm, 2 usage error, 3 a worker could not start, 130 interrupted.")
+    wu.add_argument("--backend", default="triton", metavar="REF",
+                    help="'triton' (default), 'mutant:NAME' or 'package.module:Class'")
+    wu.add_argument("--spec", default=None, choices=SPEC_CHOICES, help=SPEC_HELP)
+    wu.add_argument("--graph", default="auto", choices=GRAPHS,
+                    help="graph mode (default auto: cuda with a GPU, else emulated)")
+    wu.add_argument("--workers", default="auto", metavar="N|auto",
+                    help="worker processes sharing the scenarios (default auto: on a GPU one per CPU core, at most "
+                         "8, at least one per GPU, since compiling is CPU work; on CPU one per core)")
+    wscope = wu.add_argument_group("scope", "as mla-fuzz run's: a narrowed campaign reaches fewer variants")
+    narrowing.add_arguments(wscope)
+    wscope.add_argument("--max-seq-len", default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
+    wu.add_argument("--case-timeout", default=None, metavar="SECONDS",
+                    help=f"a step running longer ends its scenario with a warning (default {DEFAULT_CASE_TIMEOUT_S:g})")
+    wu.add_argument("--force", action="store_true", help="run the scenarios even when the marker says warm")
+    wu.add_argument("--json", default=None, metavar="FILE", help="write what the warmup did as JSON")
+    wu.add_argument("--quiet", action="store_true", help="no progress lines")
 
     from .bisect import add_bisect_parser  # stdlib-only module: cheap at parser build
     add_bisect_parser(sub)
@@ -351,6 +392,31 @@ def _print_lines(lines, stream=None) -> None:
     stream.flush()
 
 
+def _gpu_mode(mode: str) -> bool:
+    """The kernels run on a GPU in this (resolved) graph mode."""
+    return mode == "cuda" or (mode == "eager" and _cuda())
+
+
+def _specs(text, mode: str) -> tuple:
+    """``--spec``: ``None`` -> both specs on a GPU (interleaved), tiny on CPU (the interpreter is
+    too slow for DeepSeek-V3 size to be a useful default); ``both`` -> both; else that one."""
+    if text is None:
+        return SPECS if _gpu_mode(mode) else ("tiny",)
+    return SPECS if text == "both" else (text,)
+
+
+def _warmup_plan(args, backend: str, specs, mode: str, narrow: dict, max_seq_len, force: bool = False):
+    """The warmup phase of ``run`` / ``mutants`` (``harness.warmup.WarmupPlan``), or None: off with
+    ``--no-warmup``, on with ``--warmup``, else on in GPU modes."""
+    if getattr(args, "no_warmup", False) or not (getattr(args, "warmup", False) is True or _gpu_mode(mode)):
+        return None
+    from .warmup import prepare
+    try:
+        return prepare(backend, specs, mode, gpu=_gpu_mode(mode), narrow=narrow, max_seq_len=max_seq_len, force=force)
+    except ValueError as exc:
+        raise UsageError(f"warmup: {exc}") from None
+
+
 # -- commands ------------------------------------------------------------------------------
 def cmd_run(args) -> int:
     from .campaign import DEFAULT_CHUNK, CampaignOptions, CampaignRun, shard_chunks, worker_envs
@@ -366,19 +432,23 @@ def cmd_run(args) -> int:
     shard = _shard(args.shard)
     seed, case_timeout, workers = _seed(args.seed), _case_timeout(args.case_timeout), _workers(args.workers)
     mode = _resolve_mode(args.graph)
+    specs = _specs(args.spec, mode)
     narrow = _narrow(args)
+    max_seq_len = _max_seq_len(args)
     _check_writable_dir("--corpus", args.corpus)
     if args.json:
         _check_writable_file("--json", args.json)
     _check_backend(backend)
     caps_line, notes = _capabilities_text(backend, narrow, mode)
     _check_mps(args.mps, mode)
-    opts = CampaignOptions(backend=backend, graph=mode, spec=args.spec, budget_s=budget, examples=examples, seed=seed,
-                           corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
+    warm = _warmup_plan(args, backend, specs, mode, narrow, max_seq_len)
+    opts = CampaignOptions(backend=backend, graph=mode, spec=",".join(specs), budget_s=budget, examples=examples,
+                           seed=seed, corpus=Path(args.corpus), worker_envs=worker_envs(workers, mode),
                            case_timeout=case_timeout, chunk=chunk, reduce=not args.no_reduce, mps=args.mps,
                            narrow=narrow, strict_contiguity=args.strict_contiguity, shard=shard,
-                           max_seq_len=_max_seq_len(args), started_at=command_start())
-    print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {args.spec}, seed {seed}, "
+                           max_seq_len=max_seq_len, started_at=command_start(), warmup=warm)
+    print(f"mla-fuzz run: backend {backend}, graph {mode}, spec {opts.spec}"
+          + (" (interleaved chunks)" if len(specs) > 1 else "") + f", seed {seed}, "
           + ("" if shard[1] == 1 else f"shard {shard[0]}/{shard[1]}, ")
           + f"{len(opts.worker_envs)} worker(s){' under MPS' if args.mps else ''}, "
           + ("no time limit" if budget is None else f"budget {budget:g}s")
@@ -389,6 +459,8 @@ def cmd_run(args) -> int:
     print(f"capabilities: {caps_line}", file=sys.stderr, flush=True)
     for n in notes:
         print(n, file=sys.stderr, flush=True)
+    if warm is not None:
+        print(f"warmup: {warm.describe()}; kernels in {warm.cache_dir}", file=sys.stderr, flush=True)
     display = None if args.quiet else make_progress()
     try:
         if display is not None:
@@ -557,6 +629,13 @@ def cmd_mutants(args) -> int:
     print(f"mla-fuzz mutants: {len(refs)} backends, graph {mode}, spec {args.spec}, {examples} examples, seed {seed}",
           file=sys.stderr, flush=True)
 
+    # the clean backend's kernels are what every row shares (a mutant with kernels of its own
+    # compiles them in its row)
+    warm = _warmup_plan(args, CLEAN, [args.spec], mode, {}, max_seq_len)
+    warm_out = []
+    if warm is not None:
+        print(f"warmup: {warm.describe()}; kernels in {warm.cache_dir}", file=sys.stderr, flush=True)
+
     def on_row(row, done, total):
         when = "" if row.get("seconds_to_detect") is None else f", first seen at {row['seconds_to_detect']:.1f}s"
         what = (f"caught after {row['examples_to_detect']} examples{when}: {row['diagnosis']}" if row["caught"]
@@ -572,7 +651,8 @@ def cmd_mutants(args) -> int:
     rows = run_matrix(refs, expected, graph=mode, spec=args.spec, examples=examples, seed=seed,
                       worker_envs=worker_envs(workers, mode), case_timeout=case_timeout, max_seq_len=max_seq_len,
                       corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row, on_sight=on_sight,
-                      started_at=started)
+                      started_at=started, warmup=warm, on_warmup=warm_out.append,
+                      on_note=lambda text: print(f"[mla-fuzz] {text}", file=sys.stderr, flush=True))
     code, reasons = verdict(rows, strict=args.strict)
     _print_lines(table(MATRIX_HEADERS, matrix_rows(rows), indent=""))
     for r in reasons:
@@ -582,7 +662,98 @@ def cmd_mutants(args) -> int:
         code = code or EXIT_INTERRUPTED
     if args.json:
         write_json(args.json, matrix_json(rows, graph=mode, spec=args.spec, examples=examples, seed=seed,
-                                          seconds=time.time() - started) | {"exit_code": code})
+                                          seconds=time.time() - started,
+                                          warmup=warm_out[0] if warm_out else None) | {"exit_code": code})
+    return code
+
+
+def cmd_warmup(args) -> int:
+    import signal
+    import tempfile
+    import threading
+
+    from .campaign import worker_envs
+    from .pool import Pool
+    from .warmup import REPORT_FORMAT, WorkerFatal, run_warmup, skipped, summary_line
+
+    backend = args.backend
+    mode = _resolve_mode(args.graph)
+    specs = _specs(args.spec, mode)
+    workers = _workers(args.workers)
+    case_timeout = _case_timeout(args.case_timeout)
+    narrow = _narrow(args)
+    max_seq_len = _max_seq_len(args)
+    if args.json:
+        _check_writable_file("--json", args.json)
+    _check_backend(backend)
+    _capabilities_text(backend, narrow, mode)  # one line when the narrowing leaves nothing
+    args.warmup = True
+    plan = _warmup_plan(args, backend, specs, mode, narrow, max_seq_len, force=args.force)
+    if workers == "auto" and _gpu_mode(mode):
+        import torch
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cores = os.cpu_count() or 1
+        workers = max(torch.cuda.device_count(), min(8, cores))
+    envs = worker_envs(workers, mode)
+    tasks = sum(len(s.scenarios) for s in plan.todo)
+    envs = envs[: max(1, min(len(envs), tasks))]
+    if plan.warm:
+        envs = []
+    print(f"mla-fuzz warmup: backend {backend}, graph {mode}, spec {','.join(specs)}, {len(envs)} worker(s); "
+          f"kernels in {plan.cache_dir}", file=sys.stderr, flush=True)
+    if not _gpu_mode(mode):
+        print("note: under Triton's interpreter (CPU) nothing is compiled: this warmup only runs its scenarios",
+              file=sys.stderr, flush=True)
+    code = EXIT_OK
+    if plan.warm:
+        out = skipped(plan)
+    else:
+        print(f"warmup: {plan.describe()}", file=sys.stderr, flush=True)
+        stopped = [False]
+        last = [0, 0.0]
+        t0 = time.monotonic()
+
+        def note(text: str) -> None:
+            if not args.quiet:
+                print(f"[mla-fuzz] {text}", file=sys.stderr, flush=True)
+
+        def tick(done: int, total: int) -> None:
+            now = time.monotonic()
+            if done != last[0] and (now - last[1] >= 2.0 or done == total):
+                last[0], last[1] = done, now
+                note(f"{now - t0:.1f}s: warmup {done}/{total} scenarios")
+
+        old = None
+        if threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGINT, lambda *_: stopped.__setitem__(0, True))
+        try:
+            with tempfile.TemporaryDirectory(prefix="mla-fuzz-warmup-") as logs:
+                pool = Pool(envs, logs, case_timeout=case_timeout)
+                pool.start()
+                try:
+                    out = run_warmup(plan, pool, note=note, on_tick=tick, kill=lambda: stopped[0])
+                except WorkerFatal as exc:
+                    print(f"mla-fuzz warmup: error: {exc}", file=sys.stderr)
+                    return EXIT_INTERNAL
+                finally:
+                    pool.close(kill=stopped[0])
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGINT, old)
+        if stopped[0]:
+            code = EXIT_INTERRUPTED
+    print(summary_line(out, len(envs)))
+    for w in out.warnings:
+        print("warning: " + w)
+    if code == EXIT_INTERRUPTED:
+        print(f"INTERRUPTED after {out.ran} of {out.planned} scenarios (no marker for the specs not finished)")
+    if args.json:
+        write_json(args.json, {"format": REPORT_FORMAT, "graph_mode": mode, "spec": ",".join(specs),
+                               "workers": len(envs), **out.to_dict(),
+                               "elapsed_s": round(time.time() - command_start(), 3), "exit_code": code})
+        print(f"report: {args.json}")
     return code
 
 
@@ -653,7 +824,7 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "replay": cmd_replay, "merge": cmd_merge, "mutants": cmd_mutants, "bisect": cmd_bisect,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "warmup": cmd_warmup}
 
 
 def main(argv=None) -> int:

@@ -9,6 +9,10 @@ Times count from the command's start (``started_at``): ``seconds_to_detect`` is 
 first sight of a failure (the worker's ``found`` message, before shrinking; a worker's death
 for crash/hang), ``seconds`` the row's end (shrunk and diagnosed), ``row_started_s`` when
 the row was handed to a worker (rows wait for a free worker).
+
+With ``warmup`` (a ``harness.warmup.WarmupPlan``), the rows' workers first run the warmup
+phase (the clean backend's kernel variants compiled once, in parallel, into Triton's cache);
+row times then include it, as they include every start-up cost.
 """
 from __future__ import annotations
 
@@ -38,13 +42,14 @@ def load_mutants() -> tuple[dict, dict]:
 def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examples: int, seed: int,
                worker_envs: list[dict], case_timeout: float | None, corpus: Path | None = None,
                on_row=None, max_seq_len: int | None = None, on_sight=None,
-               started_at: float | None = None) -> list[dict]:
+               started_at: float | None = None, warmup=None, on_warmup=None, on_note=None) -> list[dict]:
     """Fuzz each backend ref in ``names`` (``mutant:NAME`` or ``triton``); one dict per row in
     ``names`` order (sequences up to ``max_seq_len``; None: per spec and device).
     ``on_row(row, done, total)`` is called as rows finish, ``on_sight(name, seconds,
     examples)`` when a row first sees a failure. Times count from ``started_at`` (epoch
     seconds; default now). On Ctrl-C the rows finished so far are returned (fewer than
-    ``names``)."""
+    ``names``). ``warmup``: a warmup plan run on the rows' workers first (``on_warmup(outcome)``
+    gets what it did, ``on_note(text)`` its progress lines)."""
     tasks = [{"op": "fuzz", "id": f"m{i}", "backend": ref, "graph": graph, "spec": spec, "examples": examples,
               "seed": seed, "budget_s": None, "shrink": True, "max_seq_len": max_seq_len} for i, ref in enumerate(names)]
     rows: dict[str, dict] = {}
@@ -54,12 +59,46 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
         pool = Pool(worker_envs[: max(1, min(len(worker_envs), len(tasks)))], logs, case_timeout=case_timeout)
         pool.start()
         try:
+            if warmup is not None:
+                out = _warmup(pool, warmup, clock, on_note)
+                if on_warmup is not None:
+                    on_warmup(out)
             _drive(pool, pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock)
         except KeyboardInterrupt:
             pass
         finally:
             pool.close(kill=True)
     return [rows[t["id"]] for t in tasks if t["id"] in rows]
+
+
+def _warmup(pool, plan, clock, on_note=None):
+    """The warmup phase on the matrix's workers (``harness.warmup.run_warmup``); a worker that
+    cannot start is a RuntimeError, as in the rows."""
+    from .warmup import WorkerFatal, run_warmup, skipped, summary_line
+
+    def note(text: str) -> None:
+        if on_note is not None:
+            on_note(text)
+
+    if plan.warm:
+        out = skipped(plan)
+        note(summary_line(out))
+        return out
+    last = [0.0, -1]
+
+    def tick(done: int, total: int) -> None:
+        now = clock.now()
+        if done != last[1] and (now - last[0] >= 5.0 or done == total):
+            last[0], last[1] = now, done
+            note(f"{now:.1f}s: warmup {done}/{total} scenarios")
+
+    note(f"{clock.now():.1f}s: warmup: {plan.describe()} on {len(pool.workers)} worker(s)")
+    try:
+        out = run_warmup(plan, pool, note=note, on_tick=tick)
+    except WorkerFatal as exc:
+        raise RuntimeError(str(exc)) from None
+    note(f"{clock.now():.1f}s: " + summary_line(out, len(pool.workers)))
+    return out
 
 
 class _Clock:
@@ -171,6 +210,14 @@ def verdict(rows: list[dict], strict: bool = False) -> tuple[int, list[str]]:
     return (1 if bad else 0), bad
 
 
-def matrix_json(rows: list[dict], *, graph: str, spec: str, examples: int, seed: int, seconds: float) -> dict:
+def matrix_json(rows: list[dict], *, graph: str, spec: str, examples: int, seed: int, seconds: float,
+                warmup=None) -> dict:
+    """The matrix as JSON; ``warmup`` (a ``harness.warmup.WarmupOutcome``): the warmup phase's
+    fields (``warm``, ``warmup_s``, ``warmup_scenarios``, ``warmup``; null without one)."""
+    w = None if warmup is None else warmup.to_dict()
     return {"format": "mla-fuzz-matrix/1", "graph_mode": graph, "spec": spec, "examples": examples, "seed": seed,
-            "wall_s": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+            "wall_s": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "warm": None if w is None else w["warm"], "warmup_s": None if w is None else w["seconds"],
+            "warmup_scenarios": None if w is None else w["scenarios"], "warmup": w,
+            "clock": "row times count from the command's start: imports, worker start-up and the warmup included",
+            "rows": rows}

@@ -161,6 +161,16 @@ def merge_reports(paths: list[str], corpus: Path) -> dict:
         shown = ", ".join(map(str, sorted(ks)[:10])) + (", ..." if len(ks) > 10 else "")
         warnings.append(f"{a} and {b} both ran chunk(s) {shown}: their counts are added twice")
 
+    # per spec (a campaign of interleaved specs): searched examples, steps and chunks add up
+    specs: dict = {}
+    for _, rep in reports:
+        for name, d in (rep.get("specs") or {}).items():
+            if not isinstance(d, dict):
+                continue
+            into = specs.setdefault(name, {"examples": 0, "steps": 0, "chunks": 0, "max_seq_len": d.get("max_seq_len")})
+            for key in ("examples", "steps", "chunks"):
+                into[key] += int(d.get(key) or 0)
+
     # counts
     coverage: dict = {}
     unsupported: Counter = Counter()
@@ -214,7 +224,7 @@ def merge_reports(paths: list[str], corpus: Path) -> dict:
         "failures_by_class": dict(by_class), "failures": failures, "errors": errors, "warnings": warnings,
         "shard": None, "shards": [list(s) for s in shard_sets],
         "chunks_run": [list(c) for c in sorted(chunks_run)],
-        "merged_from": [str(p) for p, _ in reports],
+        "merged_from": [str(p) for p, _ in reports], "specs": specs,
         "exit_code": 1 if failures else 0,
     }
 

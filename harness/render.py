@@ -177,6 +177,16 @@ def summary_lines(result) -> list[str]:
              f"{result.chunks} chunks, {result.restarts} worker restart(s)"]
     if shrink_line(result):
         lines.append(shrink_line(result))
+    warm = getattr(result, "warmup", None)
+    if warm is not None:
+        from .warmup import summary_line
+        lines.append("  " + summary_line(warm, result.workers))
+    specs = getattr(o, "specs", (o.spec,))
+    if len(specs) > 1:
+        lines.append("  " + specs_line(result.specs_dict()))
+    if warm is not None or len(specs) > 1:
+        lines.append("  times (found, final) count from the command's start"
+                     + (", the warmup included" if warm is not None else ""))
     cov = coverage_parts(result.coverage)
     if cov:
         lines.append("  coverage:")
@@ -195,6 +205,13 @@ def summary_lines(result) -> list[str]:
     for e in result.errors:
         lines.append("error: " + e)
     return lines
+
+
+def specs_line(specs: dict) -> str:
+    """``specs (interleaved chunks): tiny 420 cases in 5 chunk(s), max_seq_len 4096; deepseek-v3 ...``."""
+    parts = [f"{name} {d.get('examples', 0)} cases in {d.get('chunks', 0)} chunk(s), max_seq_len {d.get('max_seq_len')}"
+             for name, d in specs.items()]
+    return "specs (interleaved chunks): " + "; ".join(parts)
 
 
 def unsupported_lines(unsupported: dict) -> list[str]:

@@ -20,6 +20,9 @@ Tasks:
   ``FuzzReport`` as a dict);
 - ``{"op": "replay", "id", "backend", "graph", "config", "steps", "diagnose"}``
   -> ``done`` with ``result`` (failure and diagnosis, or none);
+- ``{"op": "warmup", "id", "backend", "graph", "config", "steps", "name"}`` (``harness.warmup``)
+  -> ``done`` with ``outcome`` (``status`` ok / unsupported / failed, ``message``, ``seconds``);
+  a failure here is the warmup's warning, never a finding;
 - ``{"op": "exit"}``.
 Any exception becomes ``error`` with ``kind`` ``input`` (ValueError: a bad backend
 reference, spec or repro) or ``internal``.
@@ -166,6 +169,42 @@ def _replay_task(task: dict) -> dict:
     return {"result": result}
 
 
+def _warmup_task(task: dict) -> dict:
+    """Run one warmup scenario (``harness.warmup``) to compile the kernel variants it reaches:
+    a ``step`` message before each step (a crash or hang is still attributed), the outcome
+    as a status, never a diagnosis. A CUDA error poisons the context: the worker exits (as
+    in a fuzz chunk) and the parent warns about the scenario."""
+    from mla_fuzz.harness.executor import ScenarioRunner, StepUnsupported
+    from mla_fuzz.harness.loading import load_backend
+    from mla_fuzz.harness.oracles import OracleFailure
+    from mla_fuzz.harness.scenario import ScenarioConfig, validate_step
+
+    tid = task["id"]
+    t0 = time.time()
+    backend_cls = load_backend(task["backend"])
+    cfg = ScenarioConfig.from_dict(task["config"])
+    steps = task["steps"]
+    for s in steps:
+        validate_step(s, cfg)
+    status, message, runner = "ok", None, None
+    try:
+        runner = ScenarioRunner(backend_cls, cfg, task.get("graph", "auto"))
+        for i, step in enumerate(steps):
+            _check_parent()
+            send({"t": "step", "task": tid, "cfg": task["config"], "steps": steps[: i + 1], "time": time.time()})
+            runner.apply(step)
+    except OracleFailure as f:
+        if f.oracle != "bounds" and is_cuda_error(f.message):
+            raise CudaContextLost(f"step {f.step}: {f.message}") from None
+        status, message = "failed", f"[{f.oracle}] at step {f.step}: {' '.join(str(f.message).split())[:300]}"
+    except StepUnsupported as u:
+        status, message = "unsupported", u.reason
+    finally:
+        if runner is not None:
+            runner.close()
+    return {"outcome": {"status": status, "message": message, "seconds": round(time.time() - t0, 3)}}
+
+
 def _versions() -> dict:
     try:
         from mla_fuzz.harness.repro import versions
@@ -211,7 +250,7 @@ def main(argv=None) -> int:
         _STOP = False
         t0 = time.time()
         try:
-            body = {"fuzz": _fuzz_task, "replay": _replay_task}[task["op"]](task)
+            body = {"fuzz": _fuzz_task, "replay": _replay_task, "warmup": _warmup_task}[task["op"]](task)
             send({"t": "done", "task": task["id"], "wall": time.time() - t0, **body})
         except CudaContextLost as exc:
             _lost(str(exc))
