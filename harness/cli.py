@@ -203,7 +203,10 @@ def _build_parser() -> _Parser:
     mut.add_argument("--examples", default="100", metavar="N", help="examples per backend (default 100)")
     mut.add_argument("--seed", default="0", metavar="S", help="seed for every row (default 0)")
     mut.add_argument("--max-seq-len", default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
-    mut.add_argument("--only", default=None, metavar="NAMES", help="comma-separated mutant names")
+    mut.add_argument("--set", default="public", dest="mutant_set", choices=("public", "heldout"),
+                     help="which mutants: public (harness.mutants.ALL, the default) or heldout "
+                     "(harness.mutants.heldout.HELDOUT, never seen by the matrix tests)")
+    mut.add_argument("--only", default=None, metavar="NAMES", help="comma-separated mutant names (of the --set)")
     mut.add_argument("--no-clean", action="store_true", help="skip the clean triton row")
     mut.add_argument("--workers", default="1", metavar="N|auto")
     mut.add_argument("--case-timeout", default=None, metavar="SECONDS")
@@ -606,7 +609,7 @@ def cmd_mutants(args) -> int:
     if args.json:
         _check_writable_file("--json", args.json)
     try:
-        all_, expected = load_mutants()
+        all_, expected = load_mutants(args.mutant_set)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     names = sorted(all_)
@@ -617,7 +620,8 @@ def cmd_mutants(args) -> int:
                              f"known: {', '.join(names)}")
         unknown = [n for n in wanted if n not in all_]
         if unknown:
-            raise UsageError(f"--only: unknown mutant(s) {unknown}; known: {', '.join(names)}")
+            raise UsageError(f"--only: unknown mutant(s) {unknown} in the {args.mutant_set} set; known: "
+                             f"{', '.join(names)}")
         names = wanted
     if args.only is None and (mode == "cuda" or (mode == "eager" and _cuda())):
         from .mutants import INTERPRETER_ONLY
@@ -626,8 +630,8 @@ def cmd_mutants(args) -> int:
                   "tensors, which only the CPU interpreter's bounds check sees (--graph emulated)", file=sys.stderr)
         names = [n for n in names if n not in INTERPRETER_ONLY]
     refs = [f"mutant:{n}" for n in names] + ([] if args.no_clean else [CLEAN])
-    print(f"mla-fuzz mutants: {len(refs)} backends, graph {mode}, spec {args.spec}, {examples} examples, seed {seed}",
-          file=sys.stderr, flush=True)
+    print(f"mla-fuzz mutants: {len(refs)} backends" + ("" if args.mutant_set == "public" else f" ({args.mutant_set} set)")
+          + f", graph {mode}, spec {args.spec}, {examples} examples, seed {seed}", file=sys.stderr, flush=True)
 
     # the clean backend's kernels are what every row shares (a mutant with kernels of its own
     # compiles them in its row)
@@ -663,7 +667,7 @@ def cmd_mutants(args) -> int:
     if args.json:
         write_json(args.json, matrix_json(rows, graph=mode, spec=args.spec, examples=examples, seed=seed,
                                           seconds=time.time() - started,
-                                          warmup=warm_out[0] if warm_out else None) | {"exit_code": code})
+                                          warmup=warm_out[0] if warm_out else None) | {"set": args.mutant_set, "exit_code": code})
     return code
 
 

@@ -22,8 +22,9 @@ def load_backend(ref: str):
     """The backend class named by ``ref``.
 
     ``"triton"`` is ours; ``"mutant:NAME"`` (or a bare mutant name) one of
-    ``harness.mutants.ALL``; otherwise ``package.module:Class``. ValueError with the
-    reason on anything that cannot be loaded (never an ImportError traceback).
+    ``harness.mutants.ALL`` or of the held-out set (``harness.mutants.heldout.HELDOUT``);
+    otherwise ``package.module:Class``. ValueError with the reason on anything that cannot
+    be loaded (never an ImportError traceback).
     """
     if not isinstance(ref, str) or not ref:
         raise ValueError(f"backend must be 'triton', 'mutant:NAME' or 'package.module:Class', got {ref!r}")
@@ -33,11 +34,15 @@ def load_backend(ref: str):
     if ref.startswith("mutant:") or ":" not in ref:
         # mutants are imported only when asked for: a user's backend must not depend on them
         from .mutants import ALL as MUTANTS
+        from .mutants.heldout import HELDOUT
         name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
         if name in MUTANTS:
             return MUTANTS[name]
+        if name in HELDOUT:
+            return HELDOUT[name]
         if ref.startswith("mutant:"):
-            raise ValueError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}")
+            raise ValueError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))} "
+                             f"(held out: {', '.join(sorted(HELDOUT))})")
         raise ValueError(f"backend {ref!r}: expected 'package.module:Class' (or 'triton', or a mutant name)")
     mod_name, _, attr = ref.partition(":")
     # As ``python -m`` and pytest do: a backend module in the working directory imports even

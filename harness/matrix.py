@@ -27,16 +27,28 @@ from .repro import write_repro
 CLEAN = "triton"
 
 
-def load_mutants() -> tuple[dict, dict]:
-    """``(ALL, EXPECTED)`` from ``harness.mutants``; ValueError saying why if unavailable."""
+#: ``mla-fuzz mutants --set``: which mutants, from which module and names
+MUTANT_SETS = {"public": ("mutants", "ALL", "EXPECTED"),
+               "heldout": ("mutants.heldout", "HELDOUT", "HELDOUT_EXPECTED")}
+
+
+def load_mutants(mutant_set: str = "public") -> tuple[dict, dict]:
+    """``(ALL, EXPECTED)`` from ``harness.mutants`` (``mutant_set="public"``), or ``(HELDOUT,
+    HELDOUT_EXPECTED)`` from ``harness.mutants.heldout`` (``"heldout"``: written after the
+    search and diagnosis were tuned on the public set, and never run by the matrix tests);
+    ValueError saying why if unavailable."""
+    if mutant_set not in MUTANT_SETS:
+        raise ValueError(f"unknown mutant set {mutant_set!r}; known: {', '.join(MUTANT_SETS)}")
+    module, all_name, expected_name = MUTANT_SETS[mutant_set]
     try:
-        from . import mutants
+        import importlib
+        mutants = importlib.import_module(f"{__package__}.{module}")
     except Exception as exc:
-        raise ValueError(f"mla_fuzz.harness.mutants cannot be imported ({type(exc).__name__}: {exc})") from None
-    all_ = getattr(mutants, "ALL", None)
+        raise ValueError(f"mla_fuzz.harness.{module} cannot be imported ({type(exc).__name__}: {exc})") from None
+    all_ = getattr(mutants, all_name, None)
     if not isinstance(all_, dict) or not all_:
-        raise ValueError("mla_fuzz.harness.mutants.ALL is missing or empty")
-    return all_, dict(getattr(mutants, "EXPECTED", {}) or {})
+        raise ValueError(f"mla_fuzz.harness.{module}.{all_name} is missing or empty")
+    return all_, dict(getattr(mutants, expected_name, {}) or {})
 
 
 def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examples: int, seed: int,

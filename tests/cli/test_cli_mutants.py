@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+from mla_fuzz.harness.loading import load_backend
 from mla_fuzz.harness.mutants import ALL, EXPECTED
+from mla_fuzz.harness.mutants.heldout import HELDOUT, HELDOUT_EXPECTED
 from mla_fuzz.harness.repro import load_repro
 from cli_helpers import run_cli as _run
 
@@ -53,6 +55,32 @@ def test_mutants_matrix_command(tmp_path, capsys):
 def test_mutants_unknown_name_is_usage_error(capsys):
     code, _, err = _run(["mutants", "--only", "no-such-mutant"], capsys)
     assert code == 2 and "no-such-mutant" in err and len(err.strip().splitlines()) == 1
+
+
+def test_mutants_heldout_set_runs_apart_from_the_public_one(tmp_path, capsys):
+    # the held-out mutants stay out of ALL (the matrix never sees them), each with its expected classes
+    assert not set(HELDOUT) & set(ALL) and set(HELDOUT_EXPECTED) == set(HELDOUT)
+    name = sorted(HELDOUT)[0]
+    assert load_backend(f"mutant:{name}") is HELDOUT[name]  # run/replay/repro refs resolve too
+    out_json = tmp_path / "heldout.json"
+    code, out, err = _run(["mutants", "--set", "heldout", "--only", name, "--no-clean", "--graph", "emulated",
+                           "--examples", "2", "--json", str(out_json)], capsys)
+    # two examples may or may not catch it: either way the row is run and reported
+    assert code in (0, 1), out + err
+    m = json.loads(out_json.read_text())
+    assert m["set"] == "heldout" and [r["name"] for r in m["rows"]] == [name]
+    row = m["rows"][0]
+    assert row["backend"] == f"mutant:{name}" and row["expected"] == sorted(HELDOUT_EXPECTED[name])
+    assert row["error"] is None and row["examples"] >= 1, row
+    assert name in out and "(heldout set)" in err
+
+
+def test_mutants_bad_set_is_usage_error(capsys):
+    code, _, err = _run(["mutants", "--set", "secret"], capsys)
+    assert code == 2 and "--set" in err and "secret" in err and len(err.strip().splitlines()) == 1
+    # --only is checked against the chosen set: a public mutant is not a held-out one
+    code, _, err = _run(["mutants", "--set", "heldout", "--only", MUTANT], capsys)
+    assert code == 2 and MUTANT in err and "heldout" in err and len(err.strip().splitlines()) == 1
 
 
 def test_detection_benchmark_cold_then_warm(tmp_path, load_benchmark, capsys):

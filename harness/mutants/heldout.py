@@ -1,0 +1,214 @@
+"""Held-out mutants: a third set of 2026 CUDA-graph decode bugs, kept out of ``ALL``.
+
+Written after the other 23 mutants and the search and diagnosis tuned on them, to measure
+the fuzzer on bugs it was never tuned on: ``mla-fuzz mutants --set heldout`` runs them, and
+``benchmarks/heldout.py`` measures them the way ``cpu-2026-11-28-fresh-mutants.json`` measured
+the previous fresh set (first on the search as it stood, untouched). Each one is a small
+subclass of our backend or of an example backend with one bug put back, each by a mechanism
+none of the mutants in ``ALL`` uses. Do not add them to ``ALL`` / ``EXPECTED``: the mutation
+matrix (and so the tuning) must not see them.
+
+``HELDOUT`` maps name -> backend class; ``HELDOUT_EXPECTED`` maps name -> diagnosis classes
+that are a correct explanation of that bug.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import torch
+
+from mla_fuzz.examples.triton_decode import TritonDecodeBackend, decode_stage1, decode_stage2
+from mla_fuzz.kernels import TritonMLABackend, plan_reference
+
+
+class StaleSlotTail(TritonMLABackend):
+    """The persistent ``slot_mapping`` refreshed for the real requests only: the builder copies
+    rows ``[:B]`` into the ``[pad, next_n]`` buffer and leaves rows ``B..pad-1`` as they were,
+    relying on the -1 they held at allocation. After a step with more real requests, the padded
+    rows of a later step still hold that step's slots, so the cache write (``write_kv``, the
+    layer path) stores the padded rows' latent (stale or NaN inputs) into live cache slots.
+    Shaped after vLLM V1's model runner, which must fill the persistent slot mapping past the
+    step's tokens with -1 ("needed for reshape_and_cache in full CUDA graph mode"): this
+    builder drops that fill."""
+
+    name = "stale-slot-tail"
+
+    def _fill_metadata(self, batch):
+        if not self.graph_safe:
+            return super()._fill_metadata(batch)
+        B, pad = batch.batch_size, batch.padded_size
+        left = self._flat_view("slot_mapping", (pad, batch.next_n)).clone()  # what earlier steps left
+        md = super()._fill_metadata(batch)
+        md.slot_mapping[B:].copy_(left[B:])  # only the real requests' rows were copied
+        return md
+
+
+class SparseFrozenWidth(TritonMLABackend):
+    """Sparse MTP decode that decides which query tokens are real from the *shape* of the build's
+    per-token context lengths: ``md.ctx_lens`` is a ``[pad, max_decode_len]`` view, so the forward
+    pads ``ctx_lens > 0`` out to ``next_n`` columns by the view's width. The width is a Python int
+    of the build; a graph captured at one ``max_decode_len`` keeps the capture's view shape, while
+    every later build lays the flat buffer out with its own width. Replays at another width (MTP
+    batches with ``max_decode_len < next_n`` on either side) read other tokens' lengths: real
+    tokens get no top-k rows (output 0) and padding tokens get some. The backend's own path reads
+    the width from the device (``ctx_width``) for exactly this reason."""
+
+    name = "sparse-frozen-width"
+
+    def _sparse_rows(self, md):
+        pad, n, width = md.padded_size, md.next_n, md.ctx_lens.shape[1]
+        real = torch.zeros(pad, n, dtype=torch.bool, device=md.ctx_lens.device)
+        real[:, :width] = md.ctx_lens > 0
+        md.topk_rows.view(pad, n).copy_(torch.where(real, md.topk_length[:, None], 0))
+
+
+class ExampleUnguardedStage2(TritonDecodeBackend):
+    """The example's two-stage split-KV decode with vLLM's stage-1 guard but not its stage-2 one:
+    stage 1 writes nothing for an empty split (``if split_kv_end > split_kv_start`` in vLLM's
+    ``_fwd_kernel_stage1``), while stage 2 merges every split of the workspace, relying on an
+    lse of -inf that the workspace held only when it was allocated (the constructor fills it).
+    Empty splits are common: the split count is the host's, from the longest sequence (and
+    frozen at capture), so shorter rows and early MTP tokens get splits with no keys. Once
+    earlier steps have written the workspace, those splits merge an earlier step's partial
+    output and lse into the row. Needs two or more splits: rows of more than ``min_split_len``
+    keys."""
+
+    name = "example-unguarded-stage2"
+
+    def __init__(self, spec, **kw) -> None:
+        super().__init__(spec, **kw)
+        ws = self._workspace.view(-1, spec.kv_lora_rank + 1)
+        ws[:, :-1].zero_()
+        ws[:, -1].fill_(float("-inf"))  # "an empty split reads as empty": until the buffer is reused
+
+    def forward(self, q, kv_cache, metadata):
+        md, spec = metadata, self.spec
+        pad, s_q, h, rank = md.padded_size, md.next_n, spec.num_heads, spec.kv_lora_rank
+        if tuple(q.shape) != (pad, s_q, h, spec.d_qk):
+            raise ValueError(f"q must be [pad={pad}, next_n={s_q}, h={h}, d_qk={spec.d_qk}], got {tuple(q.shape)}")
+        splits = self._splits(md)
+        q_rows = q.reshape(pad * s_q, h, spec.d_qk).contiguous()
+        out = torch.empty(pad, s_q, h, rank, dtype=q.dtype, device=q.device)
+        lse = torch.empty(pad, h, s_q, dtype=q.dtype, device=q.device)
+        before = md.workspace.clone()
+        decode_stage1(q_rows, kv_cache, kv_cache[..., :rank], md.block_table, md.seq_lens, md.workspace,
+                      spec.softmax_scale, s_q, splits)
+        # the stage-1 guard: a split with no keys keeps what the workspace held
+        tok = torch.arange(s_q, device=q.device)
+        visible = (md.seq_lens.to(torch.int64)[:, None] - s_q + tok[None, :] + 1).clamp(min=0)  # [pad, s_q]
+        split_len = (visible + splits - 1) // splits
+        start = torch.arange(splits, device=q.device)[None, None, :] * split_len[..., None]
+        empty = (start >= visible[..., None]).reshape(pad * s_q, 1, splits, 1)
+        md.workspace.copy_(torch.where(empty, before, md.workspace))
+        decode_stage2(md.workspace, out.view(pad * s_q, h, rank), lse, s_q)
+        return out, lse
+
+
+class PartialsSizedAtBuild(TritonMLABackend):
+    """The split-KV workspace (the fp32 partials of split requests) sized for the batch at hand:
+    the builder plans on the host to count the pieces this batch's split requests need and the
+    forward allocates exactly that many partial rows, instead of the config's upper bound. Under
+    a CUDA graph the allocation is made once, at capture, for the capture batch; a replay whose
+    rows are longer (more pieces) has the decode write partials past the captured buffer and
+    the combine read them back. Shaped after vLLM's FlashAttention builder, which sets
+    ``max_num_splits`` to an upper bound under full CUDA graphs "so that large enough intermediate
+    buffers are pre-allocated during capture". Only shows when requests are split: long rows."""
+
+    name = "partials-sized-at-build"
+
+    def _fill_metadata(self, batch):
+        md = super()._fill_metadata(batch)
+        cfg = md.config
+        seq = md.seq_lens.cpu().tolist()  # build time: host reads are allowed here
+        _, nsplit, _ = plan_reference(seq, num_parts=cfg.num_parts, block_n=cfg.block_n,
+                                      min_tiles_per_part=cfg.min_tiles_per_part)
+        md.partial_rows = max(1, sum(n for n in nsplit if n > 1))
+        return md
+
+    def forward(self, q, kv_cache, metadata, out=None):
+        md = metadata
+        if md.sparse:
+            return super().forward(q, kv_cache, md, out)
+        self._check_forward(q, kv_cache, md, out)
+        self._plan(md)
+        out, lse = self._alloc_outputs(q, md, out)
+        rows, rank = md.next_n * self.spec.num_heads, self.spec.kv_lora_rank
+        partial_o = torch.empty(md.partial_rows, rows, rank, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(md.partial_rows, rows, dtype=torch.float32, device=q.device)
+        self._decode(q, kv_cache, md, out, lse, partial_o, partial_lse)
+        self._combine(md, out, lse, partial_o, partial_lse)
+        return out, lse
+
+
+class LazyWriteScale(TritonMLABackend):
+    """The fp8_e4m3 cache write quantising with a copy of the layer's scale taken at its first
+    use: ``write_kv`` snapshots ``k_scale`` the first time it runs (the scale is "a per-layer
+    constant") and quantises every later step's keys with that copy, while the decode reads the
+    current scale. Once the engine changes the scale, the keys a step writes are stored at the
+    old scale and read back at the new one. Shaped after the per-layer ``_k_scale_float`` copies
+    vLLM backends feed to their cache writes. The layer path only (``write_kv``)."""
+
+    name = "lazy-write-scale"
+
+    def write_kv(self, kv_cache, latent, rope, metadata):
+        md = metadata
+        if md.k_scale is not None:
+            if getattr(self, "_write_scale", None) is None:  # first use: take the layer's scale
+                self._write_scale = md.k_scale.clone()
+            md = dataclasses.replace(md, k_scale=self._write_scale)
+        super().write_kv(kv_cache, latent, rope, md)
+
+
+class EvictedSizeBuffer(TritonMLABackend):
+    """Persistent ``seq_lens`` buffers per padded batch size, from a least-recently-used cache
+    bounded to as many sizes as there are capture sizes (so eager batches of other sizes do not
+    grow memory): a build of a new size evicts the oldest size's buffer, and the next build of
+    the evicted size allocates a new one. A graph captured at that size keeps reading the
+    evicted buffer, so after eager steps of other sizes its replays decode with lengths from
+    before the eviction. Addresses are stable until the cache evicts: a build alone never looks
+    wrong."""
+
+    name = "evicted-size-buffer"
+
+    def _stage(self, name, host):
+        if name != "seq_lens" or not self.graph_safe:
+            return super()._stage(name, host)
+        cache = self.__dict__.setdefault("_seq_lens_by_size", OrderedDict())
+        pad = host.shape[0]
+        buf = cache.pop(pad, None)
+        if buf is None:
+            buf = torch.zeros(pad, dtype=torch.int32, device=self.device)
+        cache[pad] = buf  # most recently used last
+        while len(cache) > max(1, len(self.capture_sizes)):
+            cache.popitem(last=False)
+        buf.copy_(host)
+        return buf
+
+
+HELDOUT = {
+    "stale-slot-tail": StaleSlotTail,
+    "sparse-frozen-width": SparseFrozenWidth,
+    "example-unguarded-stage2": ExampleUnguardedStage2,
+    "partials-sized-at-build": PartialsSizedAtBuild,
+    "lazy-write-scale": LazyWriteScale,
+    "evicted-size-buffer": EvictedSizeBuffer,
+}
+
+HELDOUT_EXPECTED = {
+    # padded rows write into live slots: the integrity oracle's class
+    "stale-slot-tail": {"cache-corruption"},
+    # a Python int of the capture's build (the view's width) frozen into the graph
+    "sparse-frozen-width": {"laziness"},
+    # stale contents at a stable address (the stale-tail convention of ALL's EXPECTED)
+    "example-unguarded-stage2": {"stale-address"},
+    # a host-side size decided from the capture batch, frozen into the graph (its symptom is an
+    # access outside the captured buffer, but out-of-bounds would blame the kernel's indexing)
+    "partials-sized-at-build": {"laziness"},
+    # lazily initialised state read stale by every later step: laziness, or stale contents
+    "lazy-write-scale": {"laziness", "stale-address"},
+    # a tensor the captured graph reads, re-created by a later build
+    "evicted-size-buffer": {"stale-address"},
+}
+
+__all__ = ["HELDOUT", "HELDOUT_EXPECTED"] + [c.__name__ for c in HELDOUT.values()]
