@@ -2,8 +2,8 @@
 
 Classes: ``stale-address``, ``laziness``, ``contiguity``, ``padding-leak``,
 ``cache-corruption``, ``host-sync``, ``numerical``, ``backend-error``, ``contract``,
-``custom-op``, ``capture-divergence``, ``out-of-bounds``, ``crash`` (a process death, see
-``crash_repro``).
+``custom-op``, ``capture-divergence``, ``out-of-bounds``, ``layer-state``, ``crash`` (a process
+death, see ``crash_repro``).
 The direct oracles (contiguity, integrity, host read in capture, backend error, output
 contract, custom-op) name their class. Output mismatches, moved addresses and accesses out
 of bounds (``bounds``: interpreted kernels only, ``memory_guard``) are explained
@@ -12,6 +12,11 @@ by *experiments*, each a deterministic re-run of the scenario with one thing cha
 0. (backends with ``build_for_capture``) capturing with ``build`` instead: if the failure
    disappears, the capture-time metadata path diverges from the replay path (SGLang's
    separate capture/replay builders) -> capture-divergence;
+
+L. (scenarios of several layers per step) every layer run alone, on the same steps: if each
+   passes, the layers of one step share state they must not (metadata a forward changed
+   that the next layer or a re-run read, one output buffer handed to several layers, per-layer
+   work such as a top-k selection done by the first layer and reused) -> layer-state;
 
 1. poisoning off: if the failure disappears, NaN placed only in padding reached real
    rows -> padding-leak (also when only seq_len-0 rows are wrong: padding-shaped rows);
@@ -44,7 +49,8 @@ from .oracles import OracleFailure
 from .scenario import ScenarioConfig
 
 CLASSES = ("stale-address", "laziness", "contiguity", "padding-leak", "cache-corruption", "host-sync",
-           "numerical", "backend-error", "contract", "custom-op", "capture-divergence", "out-of-bounds", "crash")
+           "numerical", "backend-error", "contract", "custom-op", "capture-divergence", "out-of-bounds", "layer-state",
+           "crash")
 
 
 @dataclass
@@ -85,6 +91,11 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                          "and replay metadata paths). " + failure.message, o)
     if o == "address":
         return Diagnosis("stale-address", _direct_text(o, failure, steps), o)
+
+    # L. state shared across the layers of one step: each layer alone passes
+    if cfg.layers > 1 and all(run_steps(backend_cls, cfg, upto, graph_mode, device, layers=(i,)) is None
+                              for i in range(cfg.layers)):
+        return Diagnosis("layer-state", _layer_text(failure, cfg, k), o)
 
     # 1. poisoning off
     if any(s.get("poison") for s in upto):
@@ -202,6 +213,20 @@ def _missing_kernels(backend_cls, cfg, steps_to_capture: list[dict], graph_mode:
     finally:
         fresh.close()
     return sorted(set(log.custom_ops) - set(captured))
+
+
+def _layer_text(f: OracleFailure, cfg: ScenarioConfig, k: int) -> str:
+    ev = f.evidence or {}
+    which = f"layer {ev['layer'] + 1} of {cfg.layers}" if ev.get("layer") is not None else "a layer"
+    text = (f"step {k} fails with its {cfg.layers} attention layers run on one build ({which} is wrong), but each "
+            "layer run alone on the same steps passes: the layers of one step share state they must not — metadata "
+            "a forward changed that the next layer (or a re-run) read, one output buffer handed to several layers, "
+            "or per-layer work (a plan, a top-k selection) done by the first layer and reused by the rest.")
+    shared = ev.get("shared_outputs")
+    if shared:
+        pairs = ", ".join(f"{i + 1} and {j + 1}" for i, j in shared)
+        text += f" The outputs forward returned to layers {pairs} share memory: one buffer for several layers."
+    return text + " " + f.message
 
 
 def _direct_text(oracle: str, f: OracleFailure, steps: list[dict]) -> str:

@@ -11,6 +11,13 @@ the graph replayed, then an eager forward of the same inputs). Every forward is 
 its output contract and metadata contiguity; after the forwards of a step the oracles of
 ``oracles.ORACLES`` run in their declared order (``_run_oracles``): the table is in
 docs/design.md.
+
+A forward is a step's ``config.layers`` attention layers on ONE build, as an engine's
+decoder stack runs them: layer ``l`` with its own KV cache (``World.kv_caches[l]``) and
+queries (in the layer path its own weights, its hidden input layer ``l - 1``'s output). A
+graph captures all of them; every layer's outputs are kept, uncloned, until the last layer
+ran, then cloned, so an output buffer shared across layers shows. Every oracle judges every
+layer, and a failure in a multi-layer step names it ("layer 2 of 3: ...").
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ from .world import World
 class Captured:
     size: int
     graph: object
-    q: torch.Tensor
+    q: list  # one query tensor per layer run
     hidden: torch.Tensor | None
     positions: torch.Tensor | None
     meta: object
@@ -57,13 +64,13 @@ class Outcome:
     of the same batch and inputs, ``before``/``after`` the KV cache around the step."""
 
     batch: DecodeBatch
-    q: torch.Tensor | None
+    q: list | None  # one query tensor per layer run
     hidden: torch.Tensor | None
     positions: torch.Tensor | None
     meta: object
-    before: torch.Tensor | None
+    before: torch.Tensor | None  # the KV pool (every layer's cache)
     after: torch.Tensor | None
-    outs: list | None
+    outs: list | None  # flat: each layer's outputs in turn (``ScenarioRunner.per_layer``)
     eager: list | None
     what: str
     size: int | None = None
@@ -86,11 +93,15 @@ class ScenarioRunner:
     ``strict_contiguity``: judge every tensor handed to a kernel (the old, strict audit)
     instead of only those viewing the builder's metadata. ``capture_build``: let capture
     steps call the backend's ``build_for_capture`` when it has one (the diagnosis turns it
-    off to tell a capture path that diverges from the replay path)."""
+    off to tell a capture path that diverges from the replay path). ``layers``: the layer
+    indices a forward runs (default all ``cfg.layers``; the diagnosis runs one alone)."""
 
     def __init__(self, backend_cls, cfg: ScenarioConfig, graph_mode: str = "auto", device=None,
-                 strict_contiguity: bool = False, capture_build: bool = True):
+                 strict_contiguity: bool = False, capture_build: bool = True, layers=None):
         cfg.validate()
+        self.active = tuple(range(cfg.layers)) if layers is None else tuple(int(i) for i in layers)
+        if not self.active or any(not 0 <= i < cfg.layers for i in self.active):
+            raise ValueError(f"layers must be indices in [0, {cfg.layers}), got {layers!r}")
         memory_guard.install_for_interpreter()
         self.cfg = cfg
         self.caps = mla_ref.capabilities_of(backend_cls)
@@ -108,9 +119,11 @@ class ScenarioRunner:
         self.index = 0
         self.backend = self._new_backend()
         self.layer = None
+        self.stack: dict = {}  # layer index -> MLADecodeLayer (the layer path)
         if cfg.layer:
             from mla_fuzz.harness.layer import MLADecodeLayer
-            self.layer = MLADecodeLayer(self.spec, self.world.weights, self.backend)
+            self.stack = {i: MLADecodeLayer(self.spec, self.world.layer_weights[i], self.backend) for i in self.active}
+            self.layer = self.stack[self.active[0]]
         self.strict_contiguity = strict_contiguity
         self.capture_build = capture_build
         self.captures: dict[int, Captured] = {}
@@ -118,6 +131,8 @@ class ScenarioRunner:
         self._notes: list[tuple] = []
         # paths of tensors on the backend object that a build replaced (``_build``)
         self._rebuilt: set[str] = set()
+        # pairs of layers whose outputs of the current step share memory (``_shared_outputs``)
+        self._shared: list = []
 
     def _new_backend(self):
         cfg = self.cfg
@@ -175,21 +190,66 @@ class ScenarioRunner:
         self.captures.clear()
 
     # -- plumbing ------------------------------------------------------------------------
+    @property
+    def arity(self) -> int:
+        """Tensors a forward returns per layer: 1 (the layer's output, or ``out`` of a
+        backend without lse) or 2 (``out, lse``)."""
+        return 1 if self.layer is not None or self.caps.lse is None else 2
+
+    def per_layer(self, outs) -> list[tuple[int, list]]:
+        """``[(layer index, that layer's outputs)]`` of a forward's flat output list."""
+        k = self.arity
+        return [(i, list(outs[j * k:(j + 1) * k])) for j, i in enumerate(self.active)]
+
+    def layer_tag(self, i: int) -> str:
+        """``"layer 2 of 3: "`` in a multi-layer scenario, else ``""``."""
+        return f"layer {i + 1} of {self.cfg.layers}: " if self.cfg.layers > 1 else ""
+
+    def _named(self, f: OracleFailure, i: int) -> OracleFailure:
+        """``f`` with its message naming layer ``i`` (multi-layer scenarios)."""
+        tag = self.layer_tag(i)
+        if not tag or f.message.startswith(tag):
+            return f
+        g = OracleFailure(f.oracle, tag + f.message, f.step, dict(f.evidence or {}, layer=i))
+        g.__cause__ = f.__cause__
+        return g
+
     def _forward(self, q, hidden, positions, meta):
-        """The backend's forward as a tuple of tensors: ``(layer_out,)``, ``(out,)`` when it
-        declares no lse, else ``(out, lse)`` with lse natural-log (a base-2 lse is converted
-        here, inside the graph, so replays convert too). The output contract is checked
-        first (``oracles.check_contract``)."""
-        kv = self.world.kv_cache
-        if self.layer is not None:
-            return (call_backend(self.layer, hidden, positions, kv, meta, fp8_out=self.cfg.fp8_out),)
-        got = call_backend(self.backend.forward, q, kv, meta)
-        out, lse = check_contract(got, q, self.spec, self.caps, self.index)
-        if lse is None:
-            return (out,)
-        if self.caps.lse == "base2":
-            lse = lse * 0.6931471805599453  # log2 -> ln: ln x = log2 x * ln 2
-        return (out, lse)
+        """The backend's forward over the step's layers on one build, as one flat tuple of
+        tensors: per layer ``(layer_out,)``, ``(out,)`` when it declares no lse, else ``(out,
+        lse)`` with lse natural-log (a base-2 lse is converted here, inside the graph, so
+        replays convert too). ``q``: one query tensor per layer. The output contract is
+        checked first (``oracles.check_contract``). Each layer's outputs are kept as returned
+        (no copy) until every layer ran: the caller clones them after."""
+        outs = []
+        h = hidden
+        for i, qi in zip(self.active, q):
+            kv = self.world.kv_caches[i]
+            if self.layer is not None:
+                h = call_backend(self.stack[i], h, positions, kv, meta, fp8_out=self.cfg.fp8_out)
+                outs.append(h)
+                continue
+            got = call_backend(self.backend.forward, qi, kv, meta)
+            try:
+                out, lse = check_contract(got, qi, self.spec, self.caps, self.index)
+            except OracleFailure as f:
+                raise self._named(f, i) from None
+            outs.append(out)
+            if lse is not None:
+                if self.caps.lse == "base2":
+                    lse = lse * 0.6931471805599453  # log2 -> ln: ln x = log2 x * ln 2
+                outs.append(lse)
+        return tuple(outs)
+
+    def _shared_outputs(self, *forwards) -> list:
+        """``[(i, j)]``: layers whose outputs, as one forward returned them, overlap in memory
+        (one output buffer handed to several layers); the failure's evidence."""
+        pairs = set()
+        for outs in forwards:
+            spans = [(i, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                     for i, lo in self.per_layer(outs) for t in lo if t.numel()]
+            pairs |= {(i, j) for i, a0, b0 in spans for j, a1, b1 in spans if i < j and a0 < b1 and a1 < b0}
+        return sorted(pairs)
 
     def _audited(self, fn, log: OpLog):
         with nan_fill_uninitialised(), OpAudit(log):
@@ -210,70 +270,92 @@ class ScenarioRunner:
                                 self.index, {"noncontiguous": bad})
 
     def _inputs(self, pad: int, batch: DecodeBatch, draw: dict, poison: bool, q=None, hidden=None, positions=None):
+        """The step's inputs, written into ``q`` (one tensor per layer run), ``hidden`` and
+        ``positions`` when given (a graph's persistent inputs), else into new tensors."""
         if q is None:
-            q = self.world.new_q(pad)
-        self.world.fill_q(q, draw, batch.batch_size, poison)
+            q = [self.world.new_q(pad) for _ in self.active]
+        for i, qi in zip(self.active, q):
+            self.world.fill_q(qi, draw, batch.batch_size, poison, layer=i)
         if self.layer is not None:
             if hidden is None:
                 hidden, positions = self.world.new_hidden(pad)
             self.world.fill_hidden(hidden, positions, batch, draw, poison)
         return q, hidden, positions
 
-    def _reference(self, batch: DecodeBatch, q, hidden, positions, cache_before: torch.Tensor):
+    def _reference(self, batch: DecodeBatch, q, hidden, positions, cache_before: torch.Tensor, outs=None):
+        """The fp64 reference of every layer run: ``[(layer index, (out, lse) or (layer_out,))]``
+        from that layer's queries (the layer path: its weights and its input, layer ``l - 1``'s
+        output in ``outs``, the forward judged) and its cache before the step (``cache_before``:
+        the KV pool)."""
         B, dev = batch.batch_size, self.device
         bt, sl, ql = (batch.block_table.to(dev), batch.seq_lens.to(dev), batch.q_lens.to(dev))
         scale = {} if batch.k_scale is None else {"k_scale": batch.k_scale}
-        if self.layer is not None:
-            cache = cache_before.clone()
-            return (mla_ref.mla_layer_decode_absorbed(
-                self.world.weights, hidden[:B], positions[:B], cache, bt, sl, batch.slot_mapping.to(dev),
-                spec=self.spec, q_lens=ql, fp8_out=self.cfg.fp8_out, **scale),)
-        # sparse steps: attention over exactly the selected slots (dense steps unchanged)
-        indices = None
-        if batch.topk_on_device:
-            indices = mla_ref.indexer_topk(self.world.indexer, q[:B], cache_before, bt, sl, ql, batch.topk,
-                                           spec=self.spec, **scale).to(dev)
-        elif batch.is_sparse:
-            indices = batch.dense_topk().to(dev)
-        return mla_ref.mla_decode(q[:B], cache_before, bt, sl, spec=self.spec, q_lens=ql, indices=indices, **scale)
+        refs = []
+        h = hidden
+        per = self.per_layer(outs) if outs is not None else [(i, None) for i in self.active]
+        for (i, layer_outs), qi in zip(per, q):
+            cache0 = cache_before[i]
+            if self.layer is not None:
+                refs.append((i, (mla_ref.mla_layer_decode_absorbed(
+                    self.world.layer_weights[i], h[:B], positions[:B], cache0.clone(), bt, sl,
+                    batch.slot_mapping.to(dev), spec=self.spec, q_lens=ql, fp8_out=self.cfg.fp8_out, **scale),)))
+                h = layer_outs[0]  # the next layer's input: this layer's output, as the forward had it
+                continue
+            # sparse steps: attention over exactly the selected slots (dense steps unchanged)
+            indices = None
+            if batch.topk_on_device:
+                indices = mla_ref.indexer_topk(self.world.indexer, qi[:B], cache0, bt, sl, ql, batch.topk,
+                                               spec=self.spec, **scale).to(dev)
+            elif batch.is_sparse:
+                indices = batch.dense_topk().to(dev)
+            refs.append((i, mla_ref.mla_decode(qi[:B], cache0, bt, sl, spec=self.spec, q_lens=ql, indices=indices,
+                                               **scale)))
+        return refs
 
-    def _check_reference(self, outs, ref, batch: DecodeBatch, what: str) -> None:
+    def _check_reference(self, outs, refs, batch: DecodeBatch, what: str) -> None:
         B = batch.batch_size
-        if self.layer is not None:
-            check_layer(outs[0][:B], ref[0], what, self.index, self.cfg.fp8_out)
-        else:
-            check_out_lse(outs[0][:B], outs[1][:B] if len(outs) > 1 else None, ref[0], ref[1], what, self.index)
+        for (i, lo), (_, ref) in zip(self.per_layer(outs), refs):
+            try:
+                if self.layer is not None:
+                    check_layer(lo[0][:B], ref[0], what, self.index, self.cfg.fp8_out)
+                else:
+                    check_out_lse(lo[0][:B], lo[1][:B] if len(lo) > 1 else None, ref[0], ref[1], what, self.index)
+            except OracleFailure as f:
+                raise self._named(f, i) from None
 
     def _check_finite(self, outs, batch: DecodeBatch, what: str) -> None:
+        # Zero-length rows and padding tokens are defined as exact zeros; only NaN/inf in real
+        # rows count.
         B = batch.batch_size
-        real = outs[0][:B]
-        if self.layer is None:
-            # Zero-length rows and padding tokens are defined as exact zeros; only NaN/inf count.
-            pass
-        rows = nonfinite_rows(real) if B else []
-        if rows:
-            raise OracleFailure("finite", f"{what}: non-finite values in real rows {rows}", self.index, {"rows": rows})
+        for i, lo in self.per_layer(outs):
+            rows = nonfinite_rows(lo[0][:B]) if B else []
+            if rows:
+                raise OracleFailure("finite", f"{self.layer_tag(i)}{what}: non-finite values in real rows {rows}",
+                                    self.index, {"rows": rows, "layer": i})
 
     def _check_integrity(self, before: torch.Tensor, batch: DecodeBatch, what: str, after: torch.Tensor) -> None:
-        """Slots this step does not write are bitwise unchanged (``after`` vs ``before``)."""
+        """Slots this step does not write are bitwise unchanged in every layer's cache (``after``
+        vs ``before``: the KV pool); a layer not run (the diagnosis runs one alone) writes none."""
         ps = self.cfg.page_size
-        now = after.view(torch.uint8).reshape(self.world.num_blocks * ps, -1)
-        old = before.view(torch.uint8).reshape(self.world.num_blocks * ps, -1)
-        changed = (now != old).any(dim=1)
-        if self.layer is not None:
-            slots = batch.slot_mapping[batch.slot_mapping >= 0].to(changed.device)
-            changed[slots] = False
-        if bool(changed.any()):
-            idx = changed.nonzero().flatten().cpu().tolist()
-            pages = sorted({s // ps for s in idx})
-            raise OracleFailure("integrity", f"{what}: {len(idx)} KV slots not written by this step changed "
-                                f"(first slots {idx[:6]}, pages {pages[:6]}; null block is page 0)",
-                                self.index, {"slots": idx[:64], "pages": pages})
+        for i in range(self.cfg.layers):
+            now = after[i].view(torch.uint8).reshape(self.world.num_blocks * ps, -1)
+            old = before[i].view(torch.uint8).reshape(self.world.num_blocks * ps, -1)
+            changed = (now != old).any(dim=1)
+            if self.layer is not None and i in self.active:
+                slots = batch.slot_mapping[batch.slot_mapping >= 0].to(changed.device)
+                changed[slots] = False
+            if bool(changed.any()):
+                idx = changed.nonzero().flatten().cpu().tolist()
+                pages = sorted({s // ps for s in idx})
+                raise OracleFailure("integrity", f"{self.layer_tag(i)}{what}: {len(idx)} KV slots not written by "
+                                    f"this step changed (first slots {idx[:6]}, pages {pages[:6]}; null block is "
+                                    f"page 0)", self.index, {"slots": idx[:64], "pages": pages, "layer": i})
 
     # -- steps ---------------------------------------------------------------------------
     def apply(self, step: dict) -> None:
         """Execute one step; raise ``OracleFailure`` on any oracle violation or backend error,
         ``StepUnsupported`` when the backend declines the input."""
+        self._shared = []
         try:
             getattr(self, "_step_" + step["op"])(step)
         except (OracleFailure, StepUnsupported) as f:
@@ -321,17 +403,20 @@ class ScenarioRunner:
         draw = step["batch"]
         batch = self.world.make_batch(draw, pad_to)
         self.world.reset_cache(poison, self.world.used_pages(batch))
-        before = self.world.kv_cache.clone()
+        before = self.world.kv_pool.clone()
         meta = self._build(self.backend.build, batch)
         q, hidden, positions = self._inputs(batch.padded_size, batch, draw, poison)
         log = OpLog()
         try:
-            outs = [t.clone() for t in self._audited(lambda: self._forward(q, hidden, positions, meta), log)]
+            raw = self._audited(lambda: self._forward(q, hidden, positions, meta), log)
+            self._shared = self._shared_outputs(raw)
+            outs = [t.clone() for t in raw]  # after every layer ran: one buffer for two layers shows
+            del raw
         finally:
             self._check_contiguity(log, f"{step['op']} forward", meta)
         if check:
             self._run_oracles("eager", Outcome(batch, q, hidden, positions, meta, before,
-                                               self.world.kv_cache.clone(), outs, outs, "eager"))
+                                               self.world.kv_pool.clone(), outs, outs, "eager"))
             self._note_splits(meta)
 
     def _step_eager(self, step: dict) -> None:
@@ -392,12 +477,15 @@ class ScenarioRunner:
         if self.mode != "eager":
             self._run_oracles("build", Outcome(batch, None, None, None, meta, None, None, None, None, "", size))
         q, hidden, positions = self._inputs(size, batch, draw, poison, cap.q, cap.hidden, cap.positions)
-        before = self.world.kv_cache.clone()
+        before = self.world.kv_pool.clone()
         if self.mode == "eager":
             # No graph: an engine in eager mode hands forward the new metadata every step.
             log = OpLog()
             try:
-                replayed = [t.clone() for t in self._audited(lambda: self._forward(q, hidden, positions, meta), log)]
+                raw = self._audited(lambda: self._forward(q, hidden, positions, meta), log)
+                self._shared = self._shared_outputs(raw)
+                replayed = [t.clone() for t in raw]
+                del raw
             finally:  # a kernel's own entry check may raise on the very view the audit reports
                 self._check_contiguity(log, "eager replay", meta)
         else:
@@ -413,38 +501,48 @@ class ScenarioRunner:
                 self._check_contiguity(log, f"eager forward of the batch whose replay of graph {size} failed", meta)
                 raise
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            self._shared = self._shared_outputs(outs)
             replayed = [t.clone() for t in outs]
-        after = self.world.kv_cache.clone()
-        self.world.kv_cache.copy_(before)
+        after = self.world.kv_pool.clone()
+        self.world.kv_pool.copy_(before)
         log = OpLog()
         try:
-            eager = [t.clone() for t in self._audited(lambda: self._forward(q, hidden, positions, meta), log)]
+            raw = self._audited(lambda: self._forward(q, hidden, positions, meta), log)
+            self._shared = sorted(set(self._shared) | set(self._shared_outputs(raw)))
+            eager = [t.clone() for t in raw]
+            del raw
         finally:
             self._check_contiguity(log, "eager forward of the replayed batch", meta)
-        self.world.kv_cache.copy_(after)
+        self.world.kv_pool.copy_(after)
         self._run_oracles("replay", Outcome(batch, q, hidden, positions, meta, before, after, replayed, eager,
                                             f"replay of graph {size}", size))
         self._note_splits(meta)
 
     # -- the oracles run after a forward, in the order ``oracles.ORACLES`` declares ----------
     def _run_oracles(self, phase: str, o: "Outcome") -> None:
-        for oracle in ORACLES:
-            if phase in oracle.phases:
-                getattr(self, "_oracle_" + oracle.name.replace("-", "_"))(phase, o)
+        try:
+            for oracle in ORACLES:
+                if phase in oracle.phases:
+                    getattr(self, "_oracle_" + oracle.name.replace("-", "_"))(phase, o)
+        except OracleFailure as f:
+            if self._shared and phase != "build":
+                f.evidence = dict(f.evidence or {}, shared_outputs=list(self._shared))
+            raise
 
     def _oracle_integrity(self, phase: str, o: "Outcome") -> None:
         self._check_integrity(o.before, o.batch, o.what if phase == "replay" else "eager forward", o.after)
 
     def _oracle_determinism(self, phase: str, o: "Outcome") -> None:
-        self.world.kv_cache.copy_(o.before)
+        self.world.kv_pool.copy_(o.before)
         # same NaN fill of uninitialised memory as the first run, or leftovers would differ
         again = self._audited(lambda: self._forward(o.q, o.hidden, o.positions, o.meta), OpLog())
-        self.world.kv_cache.copy_(o.after)
-        for a, b in zip(o.outs, again):
-            m = compare_bitwise(b, a)
-            if m is not None:
-                raise OracleFailure("determinism", m.describe("eager forward run twice"), self.index,
-                                    {"rows": m.rows})
+        self.world.kv_pool.copy_(o.after)
+        for (i, first), (_, second) in zip(self.per_layer(o.outs), self.per_layer(again)):
+            for a, b in zip(first, second):
+                m = compare_bitwise(b, a)
+                if m is not None:
+                    raise OracleFailure("determinism", self.layer_tag(i) + m.describe("eager forward run twice"),
+                                        self.index, {"rows": m.rows, "layer": i})
 
     def _oracle_finite(self, phase: str, o: "Outcome") -> None:
         self._check_finite(o.outs, o.batch, o.what)
@@ -457,19 +555,21 @@ class ScenarioRunner:
 
     def _oracle_replay_eager(self, phase: str, o: "Outcome") -> None:
         B = o.batch.batch_size
-        for name, r, e in zip(("out", "lse"), o.outs, o.eager):
-            if self._loose():
-                atol, rtol = replay_tolerances(name, r.dtype)
-                m = compare_close(r[:B], e[:B], atol, rtol)
-                text = None if m is None else m.describe(f"{o.what} vs eager, {name}", atol, rtol)
-            else:
-                m = compare_bitwise(r[:B], e[:B])
-                text = None if m is None else m.describe(f"{o.what} vs eager, {name}")
-            if m is not None:
-                raise OracleFailure("replay-eager", text, self.index, {"rows": m.rows, "size": o.size})
+        for (i, replayed), (_, eager) in zip(self.per_layer(o.outs), self.per_layer(o.eager)):
+            for name, r, e in zip(("out", "lse"), replayed, eager):
+                if self._loose():
+                    atol, rtol = replay_tolerances(name, r.dtype)
+                    m = compare_close(r[:B], e[:B], atol, rtol)
+                    text = None if m is None else m.describe(f"{o.what} vs eager, {name}", atol, rtol)
+                else:
+                    m = compare_bitwise(r[:B], e[:B])
+                    text = None if m is None else m.describe(f"{o.what} vs eager, {name}")
+                if m is not None:
+                    raise OracleFailure("replay-eager", self.layer_tag(i) + text, self.index,
+                                        {"rows": m.rows, "size": o.size, "layer": i})
 
     def _oracle_reference(self, phase: str, o: "Outcome") -> None:
-        ref = self._reference(o.batch, o.q, o.hidden, o.positions, o.before)
+        ref = self._reference(o.batch, o.q, o.hidden, o.positions, o.before, o.eager)
         what = "eager" if phase == "eager" else f"replay step (eager forward, padded to {o.size})"
         self._check_reference(o.eager, ref, o.batch, what)
         if phase == "replay" and self._loose():
@@ -538,12 +638,13 @@ def _release(graph) -> None:
 
 
 def run_steps(backend_cls, cfg: ScenarioConfig, steps: list[dict], graph_mode: str = "auto", device=None,
-              strict_contiguity: bool = False, capture_build: bool = True) -> OracleFailure | None:
+              strict_contiguity: bool = False, capture_build: bool = True, layers=None) -> OracleFailure | None:
     """Run a whole scenario; the first oracle failure (or None). A step the backend declines
-    (``StepUnsupported``) ends the run as a pass: nothing wrong was seen."""
+    (``StepUnsupported``) ends the run as a pass: nothing wrong was seen. ``layers``: the
+    layer indices each forward runs (default: all of ``cfg.layers``)."""
     runner = None
     try:
-        runner = ScenarioRunner(backend_cls, cfg, graph_mode, device, strict_contiguity, capture_build)
+        runner = ScenarioRunner(backend_cls, cfg, graph_mode, device, strict_contiguity, capture_build, layers)
         for step in steps:
             runner.apply(step)
     except OracleFailure as f:

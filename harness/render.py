@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # The dimensions the live display and the summary show first, in this order.
 COVERAGE_ORDER = ("next_n", "kv_dtype", "mtp", "padding", "seq_len", "longest", "split", "op", "path",
-                  "page_size", "heads", "spec")
+                  "layers", "page_size", "heads", "spec")
 COVERAGE_LABEL = {"kv_dtype": "kv", "mtp": "MTP", "padding": "padding", "seq_len": "seq_len",
                   "op": "ops", "page_size": "page"}
 
@@ -35,6 +35,8 @@ def config_line(cfg: dict) -> str:
         parts.append(f"pool {cfg['pool_pages']} pages")
     if cfg.get("layer"):
         parts.append("layer" + (" + fp8 out" if cfg.get("fp8_out") else ""))
+    if (cfg.get("layers") or 1) > 1:
+        parts.append(f"{cfg['layers']} layers per step")
     parts.append(f"seed {cfg.get('seed')}")
     return ", ".join(parts)
 

@@ -9,9 +9,11 @@ shrunk failure is a pasteable, replayable program (see ``harness.repro``):
 - ``{"op": "replay", "size": S, "batch": BatchDraw, "poison": bool}``  new batch, replay graph S
 
 ``BatchDraw`` = ``{"seed": int, "seq_lens": [int], "q_lens": [int], "max_decode_len": int}``,
-plus ``"k_scale": float`` in ``fp8_e4m3`` scenarios (the layer's KV scale during the step);
-``seed`` fixes the page assignment, the query/hidden values and block-table garbage, and in
-sparse scenarios (``config.sparse``) the ragged top-k selection (``World.make_batch``).
+plus ``"k_scale": float`` in ``fp8_e4m3`` scenarios (the KV scale during the step, one for
+all its layers); ``seed`` fixes the page assignment, the query/hidden values and block-table
+garbage, and in sparse scenarios (``config.sparse``) the ragged top-k selection
+(``World.make_batch``). Every step runs ``config.layers`` attention layers on its one build
+(docs/design.md, "A step: L layers on one build").
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 STEP_OPS = ("eager", "warmup", "capture", "replay")
 Q_DTYPES = ("bf16", "fp16")
+#: the most attention layers one step runs (``ScenarioConfig.layers``)
+MAX_LAYERS = 4
 
 
 @dataclass
@@ -46,6 +50,11 @@ class ScenarioConfig:
     # pool of older repro files, sized for every row at full length (their pages replay as
     # recorded).
     pool_pages: int | None = None
+    # Attention layers a step's forward runs on ONE build (metadata), as an engine's decoder
+    # stack does: each layer its own KV cache and queries (the layer path: its own weights,
+    # its input the previous layer's output), all captured in one graph, every layer's output
+    # kept until the step ends. Older repro files have none: 1.
+    layers: int = 1
 
     @property
     def max_batch(self) -> int:
@@ -100,6 +109,8 @@ class ScenarioConfig:
             raise ValueError(f"config.max_pages_per_seq must be a positive int, got {self.max_pages_per_seq!r}")
         if self.sparse and self.layer:
             raise ValueError("config.sparse scenarios drive the attention op only (config.layer must be False)")
+        if not isinstance(self.layers, int) or isinstance(self.layers, bool) or not 1 <= self.layers <= MAX_LAYERS:
+            raise ValueError(f"config.layers must be an int in [1, {MAX_LAYERS}], got {self.layers!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,7 +154,7 @@ def spec_family(spec: dict) -> str:
 def scenario_coverage(cfg: ScenarioConfig) -> list[tuple[str, str]]:
     """The coverage notes (dimension, value) a new scenario adds."""
     from mla_fuzz.mla_ref import ModelSpec
-    notes = [(k, str(getattr(cfg, k))) for k in ("kv_dtype", "next_n", "page_size", "path")]
+    notes = [(k, str(getattr(cfg, k))) for k in ("kv_dtype", "next_n", "page_size", "path", "layers")]
     return notes + [("heads", str(ModelSpec.from_dict(cfg.spec).num_heads)), ("spec", spec_family(cfg.spec))]
 
 

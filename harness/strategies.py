@@ -7,7 +7,8 @@ ones: where split paths and their frozen plans live); next_n 1-4 with max_decode
 next_n (the non-contiguous MTP view, vLLM #42135); heads not a multiple of the kernel's head block; batches smaller
 than the capture size (padding); both FP8 caches (FlashMLA's token, and e4m3 with a per-layer
 scale that changes between steps) and per-tensor FP8 layer output; sparse top-k
-scenarios (ragged selections, topk both below and above the sequence lengths).
+scenarios (ragged selections, topk both below and above the sequence lengths); steps of one to
+three attention layers on one build (``LAYERS``).
 """
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ SHORT_ROW = 512
 # the shortest scenario length drawn, and how many lengths up to the campaign's bound
 MIN_SCENARIO_LEN = 32
 SCENARIO_LENGTHS = 6
+
+
+#: Attention layers a step runs on one build (``ScenarioConfig.layers``): one in two scenarios
+#: runs several; from ``LONG_LAYERS_FROM`` tokens at most two (a cache and its copies per
+#: layer: at DeepSeek-V3 size a 32768-token pool is about 77 MB a layer, kept four times).
+LAYERS = (1, 1, 2, 3)
+LAYERS_LONG = (1, 1, 2)
+LONG_LAYERS_FROM = 8192
+_LAYERS = st.sampled_from(LAYERS)
+_LAYERS_LONG = st.sampled_from(LAYERS_LONG)
 
 
 #: The data paths a scenario takes (``ScenarioConfig.path``'s values): the attention op alone,
@@ -85,7 +96,8 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
     one of ``PATHS`` that the backend takes, each equally likely (Hypothesis draws them in
     runs Hypothesis draws them in: the search rotates ``path``, given, through them). ``book``:
     for the opening book (``harness.book``): the simplest draw is the hardest shape instead of
-    the smallest (the longest scenario length, the largest next_n, two capture sizes)."""
+    the smallest (the longest scenario length, the largest next_n, two capture sizes; not the
+    layer count, drawn last from ``LAYERS``, so a failure of one layer shrinks to one)."""
     spec = base
     heads = TINY_HEADS if vary_heads and base.num_heads <= 16 else (base.num_heads,)
     if caps.heads is not None:
@@ -123,6 +135,9 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
         cfg.topk = draw(st.sampled_from(TOPK_TINY if base.num_heads <= 16 else (64, 2048)))
         # the ragged (engine-selected) path carries most bug classes: 2 in 3
         cfg.indexer = draw(st.sampled_from((False, False, True)))
+    # attention layers per step, on one build (the last draw: a scenario of one layer shrinks
+    # to what it was before layers existed); fewer for long scenarios (each layer its own cache)
+    cfg.layers = draw(_LAYERS_LONG if length >= LONG_LAYERS_FROM else _LAYERS)
     return cfg
 
 

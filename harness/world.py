@@ -9,6 +9,17 @@ An ``fp8_e4m3`` cache is read as ``e4m3 * k_scale`` with one scale for the layer
 engine owns as a device tensor and writes in place: the world keeps one such tensor
 (``World.k_scale``) and sets it to each step's drawn ``k_scale`` (1.0 when the draw has none)
 before the backend builds, so a graph that froze the capture-time scale reads a stale one.
+Every layer of the step reads it (``DecodeBatch`` carries one scale per build): one scale is
+shared by the step's layers, where an engine has one per layer.
+
+Layers (``ScenarioConfig.layers``): the KV caches of a step's layers are views of one pool
+allocation, ``kv_pool [layers, num_blocks, page_size, ...]`` (layer ``l``'s cache is
+``kv_pool[l]``, as TensorRT-LLM's pool with per-layer offsets; the page ids are the same for
+every layer). Layer 0 is drawn exactly as a single-layer world is (older repro files replay
+the same bytes); layer ``l > 0`` gets its own cache contents and queries from seeds derived
+with ``layer_seed``, and in the layer path its own weights: layer 0's matrices with their rows
+rotated by a seeded amount (a copy, where fresh Gaussian weights cost seconds a layer at
+DeepSeek-V3 size). The device indexer's weights are shared (the backend takes one set).
 """
 from __future__ import annotations
 
@@ -29,6 +40,24 @@ def _gen(seed: int) -> torch.Generator:
     return g
 
 
+def layer_seed(seed: int, layer: int) -> int:
+    """The seed of layer ``layer``'s data drawn from ``seed``: ``seed`` itself for layer 0 (a
+    single-layer world is unchanged), a different one for every other layer."""
+    return int(seed) if layer == 0 else (int(seed) * 1_000_003 + 7_919 * int(layer)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def rotated_weights(w: "mla_ref.MLALayerWeights", seed: int) -> "mla_ref.MLALayerWeights":
+    """Another layer's weights made from ``w`` cheaply: every tensor's rows rotated by an
+    amount drawn from ``seed`` (never 0)."""
+    g = _gen(seed)
+    out = {}
+    for name, t in vars(w).items():
+        n = t.shape[0]
+        shift = int(torch.randint(1, n, (1,), generator=g)) if n > 1 else 0
+        out[name] = t.roll(shift, 0)
+    return type(w)(**out)
+
+
 class World:
     """KV pool, weights and input buffers for one scenario on one device."""
 
@@ -40,15 +69,25 @@ class World:
         # One pool shared by the step's requests (ScenarioConfig.num_blocks), with slack so
         # page assignment is a real permutation, not the identity.
         self.num_blocks = cfg.num_blocks
-        self.kv_cache = mla_ref.make_kv_cache(
-            self.spec, self.num_blocks, cfg.page_size, cfg.kv_dtype, self.device)
+        self.layers = cfg.layers
+        one = mla_ref.make_kv_cache(self.spec, self.num_blocks, cfg.page_size, cfg.kv_dtype, self.device)
+        # every layer's cache: a view of one allocation (see the module doc)
+        self.kv_pool = torch.empty((self.layers,) + tuple(one.shape), dtype=one.dtype, device=self.device)
+        del one
+        self.kv_caches = [self.kv_pool[i] for i in range(self.layers)]
+        self.kv_cache = self.kv_caches[0]
         # the engine's per-layer scale tensor (fp8_e4m3 only): one tensor, written in place
         self.k_scale = (torch.ones(1, dtype=torch.float32, device=self.device)
                         if cfg.kv_dtype == "fp8_e4m3" else None)
-        self.clean = self._random_cache(cfg.seed)
-        self.kv_cache.copy_(self.clean)
-        self.weights = (mla_ref.MLALayerWeights.random(self.spec, cfg.seed, dtype=self.q_dtype, device=self.device)
-                        if cfg.layer else None)
+        # every layer's clean contents (``clean``: layer 0's, as before layers existed)
+        self.clean_pool = torch.stack([self._random_cache(layer_seed(cfg.seed, i)) for i in range(self.layers)])
+        self.clean = self.clean_pool[0]
+        self.kv_pool.copy_(self.clean_pool)
+        self.layer_weights = None
+        if cfg.layer:
+            w0 = mla_ref.MLALayerWeights.random(self.spec, cfg.seed, dtype=self.q_dtype, device=self.device)
+            self.layer_weights = [w0] + [rotated_weights(w0, layer_seed(cfg.seed, i)) for i in range(1, self.layers)]
+        self.weights = None if self.layer_weights is None else self.layer_weights[0]
         self.indexer = (mla_ref.IndexerWeights.random(self.spec, cfg.seed, device=self.device)
                         if cfg.sparse and cfg.indexer else None)
 
@@ -70,16 +109,17 @@ class World:
         return full.reshape(self.num_blocks, ps, 1, spec.d_qk).to(self.device)
 
     def reset_cache(self, poison: bool, used_pages: set[int] | None = None) -> None:
-        """Restore clean contents in place (the graph holds this tensor); optionally NaN every
-        page outside ``used_pages`` — the null block included."""
-        self.kv_cache.copy_(self.clean)
+        """Restore every layer's clean contents in place (the graph holds these tensors);
+        optionally NaN every page outside ``used_pages`` — the null block included — in every
+        layer's cache."""
+        self.kv_pool.copy_(self.clean_pool)
         if poison:
             unused = torch.ones(self.num_blocks, dtype=torch.bool)
             if used_pages:
                 unused[torch.tensor(sorted(used_pages), dtype=torch.int64)] = False
             if bool(unused.any()):
-                raw = self.kv_cache.view(torch.uint8)
-                raw[unused.to(self.device)] = POISON_BYTE
+                raw = self.kv_pool.view(torch.uint8)
+                raw[:, unused.to(self.device)] = POISON_BYTE
 
     # -- batches -------------------------------------------------------------------------
     def make_batch(self, draw: dict, pad_to: int | None) -> DecodeBatch:
@@ -158,11 +198,11 @@ class World:
         return used
 
     # -- inputs --------------------------------------------------------------------------
-    def fill_q(self, q: torch.Tensor, draw: dict, B: int, poison: bool) -> None:
-        """Write the step's queries into rows ``[:B]`` of ``q [pad, s_q, h, d_qk]`` in place;
-        padded rows become NaN when poisoning, else keep whatever they held (stale, as in
-        a real engine's persistent input buffer)."""
-        g = _gen(draw["seed"] * 31 + 7)
+    def fill_q(self, q: torch.Tensor, draw: dict, B: int, poison: bool, layer: int = 0) -> None:
+        """Write the step's queries of layer ``layer`` into rows ``[:B]`` of ``q [pad, s_q, h,
+        d_qk]`` in place; padded rows become NaN when poisoning, else keep whatever they held
+        (stale, as in a real engine's persistent input buffer)."""
+        g = _gen(layer_seed(draw["seed"], layer) * 31 + 7)
         real = torch.randn((B,) + tuple(q.shape[1:]), generator=g).to(q.dtype)
         q[:B].copy_(real)
         if poison and q.shape[0] > B:

@@ -15,6 +15,7 @@ from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail, StaleWork
 from .examples import (BackendHeldLens, ExampleItemInForward, ExamplePaddedPageMinusOne, ExampleSeqLensFresh,
                        ExampleWorkspaceRealloc)
 from .sglang_style import CaptureOwnIndices
+from .layers import IndexerOncePerStep, PoolRebasedBlockTable, SharedOutputBuffer
 
 ALL = {
     "stale-fp8-metadata": StaleFP8Metadata,
@@ -44,6 +45,10 @@ ALL = {
     "example-padded-page-minus-one": ExamplePaddedPageMinusOne,
     # the SGLang-shaped example (examples/sglang_style.py): capture and replay paths diverged
     "example-capture-own-indices": CaptureOwnIndices,
+    # issue #44 item 6: multi-layer steps (state shared across the layers of one build)
+    "pool-rebased-block-table": PoolRebasedBlockTable,
+    "shared-output-buffer": SharedOutputBuffer,
+    "indexer-once-per-step": IndexerOncePerStep,
 }
 
 EXPECTED = {
@@ -72,6 +77,10 @@ EXPECTED = {
     "example-item-in-forward": {"host-sync"},
     "example-capture-own-indices": {"capture-divergence"},
     "example-padded-page-minus-one": {"out-of-bounds"},
+    # issue #44 item 6: multi-layer steps
+    "pool-rebased-block-table": {"layer-state"},
+    "shared-output-buffer": {"layer-state"},
+    "indexer-once-per-step": {"layer-state"},
 }
 
 #: Mutants whose only symptom is an access outside the kernel's tensors: the bounds check of
