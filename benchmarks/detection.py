@@ -14,7 +14,8 @@ includes Python and torch imports, worker start-up and compilation; ``examples_t
 is the searched examples up to it; ``seconds`` is when the row ended (shrunk and
 diagnosed). Writes JSON (``--out``): per pass the rows and the medians over caught rows, the
 machine (CPU model, GPU name), torch/triton/python versions, the git commit and the
-commands. Rows run one after another, so they do not compete for the machine.
+commands. Rows run one after another, so they do not compete for the machine, unless
+``--parallel N`` measures N mutants at once (recorded in the json's settings).
 
     python3 benchmarks/detection.py --graph emulated --only item-in-capture,ragged-item-sync \
         --examples 20 --out /tmp/det.json
@@ -41,9 +42,12 @@ FORMAT = "mla-fuzz-detection-bench/1"
 PASSES = ("cold", "warm")
 
 
-def default_mutants(graph: str) -> list[str]:
-    """Every mutant; on a GPU mode without the interpreter-only ones (``mla-fuzz mutants`` does the same)."""
+def default_mutants(graph: str, mutant_set: str | None = None) -> list[str]:
+    """Every mutant of the set (``public``: ``ALL``, ``heldout``: ``heldout.HELDOUT``); on a GPU
+    mode without the interpreter-only ones (``mla-fuzz mutants`` does the same)."""
     from mla_fuzz.harness.mutants import ALL, INTERPRETER_ONLY
+    if mutant_set == "heldout":
+        from mla_fuzz.harness.mutants.heldout import HELDOUT as ALL  # noqa: N811
     names = sorted(ALL)
     if graph in ("cuda", "auto") and _cuda():
         names = [n for n in names if n not in INTERPRETER_ONLY]
@@ -64,6 +68,8 @@ def row_command(name: str, args, json_path: Path) -> list[str]:
            "--workers", str(args.workers), "--json", str(json_path)]
     if args.max_seq_len:
         cmd += ["--max-seq-len", str(args.max_seq_len)]
+    if getattr(args, "mutant_set", None):
+        cmd += ["--set", args.mutant_set]
     if args.case_timeout:
         cmd += ["--case-timeout", str(args.case_timeout)]
     return cmd
@@ -187,16 +193,22 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", default=None, help="Triton cache folder for warm-only runs (default: a fresh "
                     "temporary folder per mutant, removed at the end)")
     ap.add_argument("--row-timeout", type=float, default=3600.0, help="seconds one command may take")
+    ap.add_argument("--parallel", type=int, default=1, help="mutants measured at the same time, each its own "
+                    "commands (default 1: one after another; more share the machine, and say so in the json)")
+    ap.add_argument("--set", default=None, dest="mutant_set", help="passed to `mla-fuzz mutants --set` (public or "
+                    "heldout); default: the command's own default")
     args = ap.parse_args(argv)
     passes = [p.strip() for p in args.passes.split(",") if p.strip()]
     if not passes or any(p not in PASSES for p in passes):
         ap.error(f"--passes: expected a subset of {','.join(PASSES)}, got {args.passes!r}")
-    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else default_mutants(args.graph)
-    rows = {p: [] for p in passes}
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else default_mutants(args.graph, args.mutant_set)
+    rows = {p: {} for p in passes}
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="mla-fuzz-detection-") as tmp:
         work = Path(tmp)
-        for name in names:
+
+        def measure(name: str) -> None:
+            # a mutant's passes run in order (warm reuses the cache its cold pass filled)
             cache = Path(args.cache_dir) if args.cache_dir else work / f"triton-cache-{name}"
             cache.mkdir(parents=True, exist_ok=True)
             for p in passes:
@@ -205,14 +217,20 @@ def main(argv=None) -> int:
                     print(f"note: {cache} is not empty ({before} files): the cold pass is not cold", file=sys.stderr)
                 r = run_row(name, args, cache, work, p)
                 r["cache_files_before"] = before
-                rows[p].append(r)
+                rows[p][name] = r
                 print(_line(p, r), flush=True)
+
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as ex:
+            list(ex.map(measure, names))
+        rows = {p: [rows[p][n] for n in names if n in rows[p]] for p in passes}
     doc = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["detection.py", *argv]),
         "settings": {"graph": args.graph, "spec": args.spec, "examples": args.examples, "seed": args.seed,
-                     "workers": args.workers, "max_seq_len": args.max_seq_len, "mutants": names},
+                     "workers": args.workers, "max_seq_len": args.max_seq_len, "mutants": names,
+                     "parallel": args.parallel, "set": args.mutant_set},
         "machine": machine(), "versions": versions(),
         "passes": {p: {"summary": summarize(rows[p]), "rows": rows[p]} for p in passes},
     }

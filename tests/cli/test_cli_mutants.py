@@ -101,6 +101,21 @@ def test_detection_benchmark_cold_then_warm(tmp_path, load_benchmark, capsys):
     assert doc["passes"]["cold"]["rows"][0]["cache_files_before"] == 0  # a fresh Triton cache
 
 
+def test_detection_benchmark_measures_mutants_side_by_side(tmp_path, load_benchmark, capsys):
+    det = load_benchmark("detection")
+    out_json = tmp_path / "det.json"
+    names = [MUTANT, "noncontig-context-lens"]
+    code = det.main(["--graph", "emulated", "--only", ",".join(names), "--examples", "3", "--passes", "warm",
+                     "--parallel", "2", "--out", str(out_json)])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    doc = json.loads(out_json.read_text())
+    assert doc["settings"]["parallel"] == 2 and list(doc["passes"]) == ["warm"]
+    rows = doc["passes"]["warm"]["rows"]
+    assert [r["name"] for r in rows] == names  # in the order asked, whichever finished first
+    assert all(r["caught"] and r["diagnosis"] in EXPECTED[r["name"]] for r in rows), rows
+
+
 def test_detection_benchmark_medians_are_over_caught_rows(load_benchmark):
     det = load_benchmark("detection")
     rows = [{"name": "a", "caught": True, "seconds_to_detect": 3.0, "examples_to_detect": 4, "seconds": 9.0},

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Time to first finding on a GPU (issue #44's done-when), each matrix one `mla-fuzz mutants`
+# command in new processes, as a user runs it:
+#   bash ci/gpu_detection.sh OUTDIR [WORKERS]
+# - tiny, cold: an empty Triton cache (the command's warmup phase and every compilation count);
+# - tiny, warm: the same command again (new processes, the cache the first one filled);
+# - the held-out set (--set heldout), cold then warm, on its own empty cache;
+# - DeepSeek-V3 size, cold then warm, on its own empty cache; then the held-out set there.
+# Each json row has seconds_to_detect (from the command's start) and row_started_s (when a
+# worker took the row). Logs and json land in OUTDIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash ci/gpu_detection.sh OUTDIR [WORKERS]}
+W=${2:-16}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+rc=0
+matrix() {  # name cache-dir args...
+    local name=$1 cache=$2
+    shift 2
+    local t0=$SECONDS
+    TRITON_CACHE_DIR="$cache" "$PY" -m mla_fuzz.harness.cli mutants --graph cuda --workers "$W" \
+        --json "$OUT/$name.json" "$@" >"$OUT/$name.txt" 2>&1
+    local r=$?
+    echo "$name: exit $r, $((SECONDS - t0)) s"
+    tail -n 4 "$OUT/$name.txt"
+    [ "$r" -gt "$rc" ] && rc=$r
+}
+C=$(mktemp -d)
+matrix tiny-cold "$C/tiny" --spec tiny
+matrix tiny-warm "$C/tiny" --spec tiny
+matrix heldout-cold "$C/heldout" --spec tiny --set heldout
+matrix heldout-warm "$C/heldout" --spec tiny --set heldout
+matrix dsv3-cold "$C/dsv3" --spec deepseek-v3
+matrix dsv3-warm "$C/dsv3" --spec deepseek-v3
+matrix heldout-dsv3-warm "$C/dsv3" --spec deepseek-v3 --set heldout
+rm -rf "$C"
+exit "$rc"
