@@ -4,8 +4,10 @@
 #   bash ci/gpu_detection.sh OUTDIR [WORKERS]
 # - tiny, cold: an empty Triton cache (the command's warmup phase and every compilation count);
 # - tiny, warm: the same command again (new processes, the cache the first one filled);
-# - the held-out set (--set heldout), cold then warm, on its own empty cache;
+# - the held-out set (--set heldout) on the cache the tiny matrix warmed (heldout-cold: its own
+#   empty cache);
 # - DeepSeek-V3 size, cold then warm, on its own empty cache; then the held-out set there.
+# PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold).
 # Each json row has seconds_to_detect (from the command's start) and row_started_s (when a
 # worker took the row). Logs and json land in OUTDIR.
 set -uo pipefail
@@ -27,12 +29,15 @@ matrix() {  # name cache-dir args...
     [ "$r" -gt "$rc" ] && rc=$r
 }
 C=$(mktemp -d)
-matrix tiny-cold "$C/tiny" --spec tiny
-matrix tiny-warm "$C/tiny" --spec tiny
-matrix heldout-cold "$C/heldout" --spec tiny --set heldout
-matrix heldout-warm "$C/heldout" --spec tiny --set heldout
-matrix dsv3-cold "$C/dsv3" --spec deepseek-v3
-matrix dsv3-warm "$C/dsv3" --spec deepseek-v3
-matrix heldout-dsv3-warm "$C/dsv3" --spec deepseek-v3 --set heldout
+for phase in ${PHASES:-tiny-cold tiny-warm heldout-warm dsv3-cold dsv3-warm heldout-dsv3-warm}; do
+    case $phase in
+        tiny-cold|tiny-warm) matrix "$phase" "$C/tiny" --spec tiny ;;
+        heldout-cold) matrix "$phase" "$C/heldout" --spec tiny --set heldout ;;
+        heldout-warm) matrix "$phase" "$C/tiny" --spec tiny --set heldout ;;
+        dsv3-cold|dsv3-warm) matrix "$phase" "$C/dsv3" --spec deepseek-v3 ;;
+        heldout-dsv3-warm) matrix "$phase" "$C/dsv3" --spec deepseek-v3 --set heldout ;;
+        *) echo "ci/gpu_detection.sh: unknown phase $phase" >&2; exit 2 ;;
+    esac
+done
 rm -rf "$C"
 exit "$rc"
