@@ -148,10 +148,7 @@ def _replay_task(task: dict) -> dict:
     failure = None
     try:
         runner = ScenarioRunner(backend_cls, cfg, task.get("graph", "auto"))
-        for i, step in enumerate(steps):
-            _check_parent()
-            send({"t": "step", "task": tid, "cfg": task["config"], "steps": steps[: i + 1], "time": time.time()})
-            runner.apply(step)
+        _apply_steps(runner, task, steps)
     except OracleFailure as f:
         failure = f
     except StepUnsupported:
@@ -167,6 +164,15 @@ def _replay_task(task: dict) -> dict:
                   "failure": result["failure"], "time": time.time()})
             result["diagnosis"] = diagnose(backend_cls, cfg, steps, failure, mode).to_dict()
     return {"result": result}
+
+
+def _apply_steps(runner, task: dict, steps: list[dict]) -> None:
+    """Apply ``steps`` in order, telling the parent about each before it runs (so a step that
+    kills or hangs this process is attributed to it)."""
+    for i, step in enumerate(steps):
+        _check_parent()
+        send({"t": "step", "task": task["id"], "cfg": task["config"], "steps": steps[: i + 1], "time": time.time()})
+        runner.apply(step)
 
 
 def _warmup_task(task: dict) -> dict:
@@ -189,10 +195,7 @@ def _warmup_task(task: dict) -> dict:
     status, message, runner = "ok", None, None
     try:
         runner = ScenarioRunner(backend_cls, cfg, task.get("graph", "auto"))
-        for i, step in enumerate(steps):
-            _check_parent()
-            send({"t": "step", "task": tid, "cfg": task["config"], "steps": steps[: i + 1], "time": time.time()})
-            runner.apply(step)
+        _apply_steps(runner, task, steps)
     except OracleFailure as f:
         if f.oracle != "bounds" and is_cuda_error(f.message):
             raise CudaContextLost(f"step {f.step}: {f.message}") from None

@@ -61,14 +61,16 @@ class OpBackend:
 
 class FrequentAndRare(OpBackend):
     """Two different errors: a frequent one (any sequence of 3+ tokens) and a rare one (a
-    sequence of exactly 13 tokens in a batch of 3+ rows)."""
+    sequence of 13-16 tokens in a batch of 3+ rows: about one step in seventy once the
+    frequent one is known, so a loaded CI core reaches it well inside its minute; the test is
+    about the known failure being searched past, not about hitting one exact length)."""
 
     name = "frequent-and-rare"
 
     def check(self, batch):
         lens = batch.seq_lens.tolist()
-        if len(lens) >= 3 and 13 in lens:
-            raise KeyError("rare: a 13-token row in a batch of three")
+        if len(lens) >= 3 and any(13 <= n <= 16 for n in lens):
+            raise KeyError("rare: a row of 13-16 tokens in a batch of three")
         if max(lens) >= 3:
             raise ValueError("frequent: a row of three or more tokens")
 

@@ -178,9 +178,9 @@ def test_narrowing_outside_the_declaration_is_exit_2(tmp_path):
 
 
 def test_one_frequent_failure_does_not_hide_a_rare_one(tmp_path):
-    """Both errors of ``FrequentAndRare`` are reported by one 60 s campaign: once the frequent
+    """Both errors of ``FrequentAndRare`` are reported by one 30 s campaign: once the frequent
     one is known, later chunks search past it."""
-    r = _run(["run", "--backend", "contract_fakes:FrequentAndRare", "--budget", "60s", "--seed", "1",
+    r = _run(["run", "--backend", "contract_fakes:FrequentAndRare", "--budget", "30s", "--seed", "1",
               "--chunk", "10", "--quiet", "--graph", "emulated", "--corpus", str(tmp_path / "c"),
               "--json", str(tmp_path / "r.json")], tmp_path, timeout=400)
     assert r.returncode == 1, r.stdout + r.stderr
