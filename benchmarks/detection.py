@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -82,20 +83,41 @@ def run_row(name: str, args, cache_dir: Path, work: Path, pass_name: str) -> dic
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(path))
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.row_timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.row_timeout)
+        code, stderr, stdout = proc.returncode, proc.stderr, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        code, stderr, stdout = None, _text(exc.stderr), _text(exc.stdout)
     wall = time.monotonic() - t0
-    row = {"name": name, "command": shlex.join(cmd), "exit_code": proc.returncode, "wall_s": round(wall, 3),
+    row = {"name": name, "command": shlex.join(cmd), "exit_code": code, "wall_s": round(wall, 3),
            "cache_files_before": None}
+    if code is None:
+        # cut by --row-timeout: the row still counts as caught if the command had said so
+        # (its live "FOUND at example N" line), with that first sight
+        row["error"] = f"timed out after {args.row_timeout:g} s"
+        sight = _SIGHT.search(stderr or "")
+        if sight:
+            row.update(caught=True, seconds_to_detect=float(sight[1]), examples_to_detect=int(sight[2]),
+                       timed_out_after_sight=True)
+        return row
     try:
         m = json.loads(out.read_text())
     except (OSError, ValueError):
-        row["error"] = (proc.stderr or proc.stdout or "no output")[-2000:]
+        row["error"] = (stderr or stdout or "no output")[-2000:]
         return row
     r = (m.get("rows") or [{}])[0]
     for k in ("caught", "seconds_to_detect", "examples_to_detect", "seconds", "row_started_s",
               "search_seconds_to_detect", "examples", "shrink_runs", "diagnosis", "matches", "error"):
         row[k] = r.get(k)
     return row
+
+
+# the mutants command's first-sight line: "[mla-fuzz] 4.2s: NAME: FOUND at example 6 (shrinking...)"
+_SIGHT = re.compile(r"\[mla-fuzz\] ([0-9.]+)s: \S+: FOUND at example (\d+)")
+
+
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def _median(values):

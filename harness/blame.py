@@ -42,6 +42,36 @@ class CudaContextLost(BaseException):
     EXIT_CODE = 70  # crash_repro.CUDA_LOST_EXIT
 
 
+class DeviceOutOfMemory(BaseException):
+    """The GPU ran out of memory in a step. Workers share one GPU, so by itself this says
+    nothing about the backend: the worker frees what it holds and reports it, and the parent
+    runs the task again with fewer tasks side by side (``harness.throttle``). A task that
+    runs alone (``OOM_IS_ENVIRONMENT`` off) reports an out-of-memory error as the backend's
+    own. A BaseException, so neither the search nor a diagnosis takes it for a finding."""
+
+
+#: Whether an out-of-memory error in a step is the environment's (``DeviceOutOfMemory``)
+#: rather than the backend's error. The worker sets it per task: off for a task the parent
+#: runs alone, where nothing else holds the GPU's memory.
+OOM_IS_ENVIRONMENT = True
+
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
+                  r"out of memory \(cudaErrorMemoryAllocation\)", re.IGNORECASE)
+
+
+def out_of_memory(exc: BaseException) -> BaseException | None:
+    """The GPU out-of-memory error in ``exc``'s cause/context chain (``torch.OutOfMemoryError``
+    or a message saying so, as a capture's wrapper or a Triton launch words it); None when
+    there is none or ``OOM_IS_ENVIRONMENT`` is off."""
+    if not OOM_IS_ENVIRONMENT:
+        return None
+    import torch
+    for e in chain(exc):
+        if isinstance(e, torch.OutOfMemoryError) or _OOM.search(f"{type(e).__name__}: {e}"):
+            return e
+    return None
+
+
 def is_cuda_error(text: str | None) -> bool:
     """Whether an error message names a CUDA (device) error that poisons the context."""
     from .bisect_step import is_cuda_error as _is

@@ -45,6 +45,7 @@ from .crash_repro import StepReducer, crash_repro
 from .pool import Pool, exit_text
 from .repro import signature, write_repro
 from .scenario import ScenarioConfig, add_note, scenario_coverage, step_coverage
+from .throttle import OomThrottle
 
 DEFAULT_CHUNK = 100
 # Reductions of a crash found near the end may finish this long after the budget.
@@ -195,6 +196,7 @@ class CampaignResult:
     diagnose_s: float = 0.0                           # chunk time spent diagnosing the failures found
     warmup: object = None                             # the warmup phase (``warmup.WarmupOutcome``), if any
     by_spec: dict = field(default_factory=dict)       # spec -> {"examples", "steps", "chunks"} (searched)
+    oom_retries: int = 0                              # tasks run again after the GPU ran out of memory
 
     def count_spec(self, spec: str | None, examples: int = 0, steps: int = 0, chunks: int = 0) -> None:
         if spec is None:
@@ -240,7 +242,7 @@ class CampaignResult:
             "failures_by_class": dict(self.failures),
             "failures": [f.to_dict() for f in self.findings.values()], "errors": self.errors,
             "warnings": self.warnings, "shard": list(o.shard), "chunks_run": sorted(self.chunks_run),
-            "specs": self.specs_dict(),
+            "specs": self.specs_dict(), "oom_retries": self.oom_retries,
             # the warmup phase: null when there was none; warm true when a marker said this
             # machine had done it (nothing ran), false when it ran here
             "warm": None if w is None else w["warm"], "warmup_s": None if w is None else w["seconds"],
@@ -328,6 +330,7 @@ class CampaignRun:
         self._reducers: dict[str, StepReducer] = {}   # signature -> reducer
         self._reducing: dict[str, str] = {}           # task id -> signature
         self._known: set[str] = set()                 # failure keys found so far (oracles.failure_key)
+        self._throttle = OomThrottle()                # tasks that ran out of GPU memory, run again
         self._stopping = False
         self._hard = False
         self._stop_sent = False
@@ -541,7 +544,29 @@ class CampaignRun:
                 "strict_contiguity": opts.strict_contiguity, "known": sorted(self._known),
                 "max_seq_len": opts.max_seq_len}
 
+    def _retry_task(self, running: int) -> dict | None:
+        """A task that ran out of GPU memory, to run again now (``harness.throttle``): a chunk
+        (its examples already counted against the quota) with the budget left now and the
+        failures known now, while the budget lasts; a reduction replay while reductions may.
+        Past those, it is dropped with a warning."""
+        while True:
+            task = self._throttle.next_retry(running)
+            if task is None:
+                return None
+            left = self._time_left()
+            if task["op"] == "fuzz" and not self._stopping and (left is None or left > 0.2):
+                self._live[task["id"]] = _Live(task.get("spec"))
+                return dict(task, budget_s=self._time_left(), known=sorted(self._known))
+            if task["op"] == "replay" and task["id"] in self._reducing and self._reduce_allowed():
+                return task
+            if task["op"] == "fuzz":
+                self.result.warnings.append(f"chunk {task.get('chunk')} (seed {task.get('seed')}) ran out of GPU "
+                                            f"memory and the budget ended before it could run again")
+            self._reducing.pop(task["id"], None)
+
     def _work_left(self) -> bool:
+        if self._throttle.retry:
+            return True
         if self._chunks_left():
             return True
         return self._reduce_allowed() and any(r.candidate() is not None for s, r in self._reducers.items()
@@ -564,7 +589,9 @@ class CampaignRun:
                     # Reductions re-run failures already on disk: nothing to lose by ending them.
                     pool.kill_busy(lambda task: task.get("op") == "replay")
             for w in pool.idle():
-                task = self._next_task()
+                if not self._throttle.allows(pool.running):
+                    break
+                task = self._retry_task(pool.running) or self._next_task()
                 if task is None:
                     break
                 pool.submit(w, task)
@@ -628,6 +655,15 @@ class CampaignRun:
             return
         if ev.kind == "found":
             self._sighted(tid, ev.msg)
+            return
+        if ev.kind == "error" and ev.msg.get("kind") == "oom":
+            # not a finding: the chunk runs again, with fewer tasks beside it; what it
+            # counted so far is counted again then (same seed, same cases)
+            self._live.pop(tid, None)
+            self._sights.pop(tid, None)
+            line = self._throttle.ran_out(task, pool.running + 1) + f": {ev.msg.get('error')}"
+            self.result.oom_retries += 1
+            self._note("notice: " + line)
             return
         if ev.kind == "error":
             self._live.pop(tid, None)

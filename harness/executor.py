@@ -32,7 +32,8 @@ from mla_fuzz.mla_ref import DecodeBatch
 
 from . import memory_guard
 from .audit import OpAudit, OpLog, tensor_fields
-from .blame import CUSTOM_OP_DOC, InternalError, call_backend, defined_at, judge
+from .blame import (CUSTOM_OP_DOC, DeviceOutOfMemory, InternalError, call_backend, defined_at, first_line, judge,
+                    out_of_memory)
 from .graphs import make_runner
 from .loading import make_backend
 from .oracles import (ORACLES, OracleFailure, check_contract, check_layer, check_out_lse, compare_bitwise,
@@ -87,6 +88,14 @@ class StepUnsupported(Exception):
         self.declared = declared
 
 
+def _environment_oom(exc: BaseException, where: str) -> None:
+    """Raise ``DeviceOutOfMemory`` when ``exc`` is the GPU running out of memory and that is
+    the environment's doing (``blame.OOM_IS_ENVIRONMENT``), not a finding."""
+    oom = out_of_memory(exc)
+    if oom is not None:
+        raise DeviceOutOfMemory(f"{where}: {first_line(oom)}") from None
+
+
 class ScenarioRunner:
     """One backend instance, one KV pool, one graph runner; steps applied in order.
 
@@ -139,6 +148,7 @@ class ScenarioRunner:
         try:
             return self._construct()
         except Exception as exc:
+            _environment_oom(exc, "building the backend")
             raise self._finding(exc) from None
 
     def _construct(self):
@@ -363,6 +373,7 @@ class ScenarioRunner:
                 f.step = self.index
             raise
         except Exception as exc:
+            _environment_oom(exc, f"step {self.index} ({step['op']})")
             raise self._finding(exc) from exc
         finally:
             self.index += 1

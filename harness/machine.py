@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from mla_fuzz.mla_ref import Capabilities, ModelSpec
 
-from .blame import CudaContextLost, is_cuda_error
+from .blame import CudaContextLost, DeviceOutOfMemory, first_line, is_cuda_error, out_of_memory
 from .book import BOOK, BOOK_EXAMPLES, BOOK_EXTRA_STEPS, Opening
 from .executor import ScenarioRunner, StepUnsupported
 from .loading import supports_layer, supports_sparse
@@ -101,7 +101,7 @@ def _lost_context(exc: BaseException, step: int) -> None:
     """Raise ``CudaContextLost`` when ``exc`` (or what it wraps) is a CUDA error: kernels run
     asynchronously, so an illegal access can surface in a later step's harness code (a cache
     allocation, a comparison); nothing run in this process after it means anything."""
-    from .blame import chain, first_line
+    from .blame import chain
     links = chain(exc)
     if is_cuda_error(" | ".join(str(e) for e in links)):
         raise CudaContextLost(f"step {step}: {first_line(links[-1])}") from None
@@ -246,6 +246,9 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                 raise failure from None
             except Exception as e:
                 _lost_context(e, len(self.steps) - 1)
+                oom = out_of_memory(e)
+                if oom is not None:  # a harness allocation (the world's caches, a reference)
+                    raise DeviceOutOfMemory(f"step {len(self.steps) - 1}: {first_line(oom)}") from None
                 raise
 
         def _capture(self, data):

@@ -23,6 +23,7 @@ from pathlib import Path
 from .crash_repro import CLASSES, crash_repro
 from .pool import Pool
 from .repro import write_repro
+from .throttle import OomThrottle
 
 CLEAN = "triton"
 
@@ -30,6 +31,12 @@ CLEAN = "triton"
 #: ``mla-fuzz mutants --set``: which mutants, from which module and names
 MUTANT_SETS = {"public": ("mutants", "ALL", "EXPECTED"),
                "heldout": ("mutants.heldout", "HELDOUT", "HELDOUT_EXPECTED")}
+
+
+#: Hypothesis' wall-clock bound on shrinking a row's failure (its own default is 300 s, which
+#: the Triton interpreter on a CPU can spend on one row); the row's diagnosis and repro are of
+#: the smallest failure seen by then.
+SHRINK_SECONDS = 60.0
 
 
 def load_mutants(mutant_set: str = "public") -> tuple[dict, dict]:
@@ -63,7 +70,8 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
     ``names``). ``warmup``: a warmup plan run on the rows' workers first (``on_warmup(outcome)``
     gets what it did, ``on_note(text)`` its progress lines)."""
     tasks = [{"op": "fuzz", "id": f"m{i}", "backend": ref, "graph": graph, "spec": spec, "examples": examples,
-              "seed": seed, "budget_s": None, "shrink": True, "max_seq_len": max_seq_len} for i, ref in enumerate(names)]
+              "seed": seed, "budget_s": None, "shrink": True, "shrink_seconds": SHRINK_SECONDS,
+              "max_seq_len": max_seq_len} for i, ref in enumerate(names)]
     rows: dict[str, dict] = {}
     pending = list(tasks)
     clock = _Clock(time.time() if started_at is None else started_at)
@@ -75,7 +83,8 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
                 out = _warmup(pool, warmup, clock, on_note)
                 if on_warmup is not None:
                     on_warmup(out)
-            _drive(pool, pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock)
+            _drive(pool, pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock,
+                   on_note)
         except KeyboardInterrupt:
             pass
         finally:
@@ -120,25 +129,39 @@ class _Clock:
         self._t0 = time.monotonic() - max(0.0, time.time() - origin)
         self.started: dict[str, float] = {}   # task id -> row handed to a worker
         self.sights: dict[str, tuple] = {}    # task id -> (seconds, examples) of its first failure
+        self.oom_retries: dict[str, int] = {}  # task id -> times it ran out of GPU memory and ran again
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
 
 def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on_row, on_sight=None,
-           clock: _Clock | None = None) -> None:
+           clock: _Clock | None = None, on_note=None) -> None:
     clock = clock or _Clock(time.time())
-    while pending or pool.busy:
+    throttle = OomThrottle()
+    while pending or pool.busy or throttle.retry:
         for w in pool.idle():
-            if not pending:
+            if not throttle.allows(pool.running):
                 break
-            task = pending.pop(0)
-            clock.started[task["id"]] = clock.now()
+            task = throttle.next_retry(pool.running)
+            if task is None:
+                if not pending:
+                    break
+                task = pending.pop(0)
+            clock.started.setdefault(task["id"], clock.now())
             pool.submit(w, task)
         for ev in pool.poll(0.25):
             if ev.kind == "fatal":
                 raise RuntimeError(f"worker could not start: {ev.msg.get('error')}\n"
                                    + "\n".join(ev.msg.get("log_tail") or []))
+            if ev.kind == "error" and ev.msg.get("kind") == "oom" and ev.task is not None:
+                # not the row's finding: it runs again with fewer rows beside it
+                clock.sights.pop(ev.task["id"], None)
+                line = throttle.ran_out(ev.task, pool.running + 1)
+                clock.oom_retries[ev.task["id"]] = clock.oom_retries.get(ev.task["id"], 0) + 1
+                if on_note is not None:
+                    on_note(f"{clock.now():.1f}s: notice: {line}: {ev.msg.get('error')}")
+                continue
             if ev.kind == "found" and ev.task is not None:
                 at = clock.now()
                 clock.sights.setdefault(ev.task["id"], (at, ev.msg.get("examples_to_detect")))
@@ -153,6 +176,7 @@ def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on
             tid = ev.task["id"]
             row["row_started_s"] = _round(clock.started.get(tid))
             row["seconds"] = _round(clock.now())
+            row["oom_retries"] = clock.oom_retries.get(tid, 0)
             if row["caught"]:
                 sight = clock.sights.get(tid)
                 if sight is not None:

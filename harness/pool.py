@@ -190,6 +190,11 @@ class Pool:
     def busy(self) -> bool:
         return any(w.busy for w in self.workers)
 
+    @property
+    def running(self) -> int:
+        """How many workers have a task."""
+        return sum(1 for w in self.workers if w.busy)
+
     # -- events --------------------------------------------------------------------------
     def poll(self, timeout: float = 0.25) -> list[Event]:
         """Events since the last call (waiting up to ``timeout`` for the first one)."""

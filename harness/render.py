@@ -179,6 +179,9 @@ def summary_lines(result) -> list[str]:
              f"{result.chunks} chunks, {result.restarts} worker restart(s)"]
     if shrink_line(result):
         lines.append(shrink_line(result))
+    if getattr(result, "oom_retries", 0):
+        lines.append(f"  GPU out of memory: {result.oom_retries} task(s) ran again with fewer beside them "
+                     f"(not findings; fewer --workers avoid it)")
     warm = getattr(result, "warmup", None)
     if warm is not None:
         from .warmup import summary_line

@@ -468,6 +468,7 @@ def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, ki
     worker is a warning, never a finding (the pool restarts a dead worker). Writes the marker
     of each spec whose scenarios all ran. ``WorkerFatal`` when a worker cannot start."""
     from .pool import exit_text
+    from .throttle import OomThrottle
 
     stop, kill = stop or _never, kill or _never
     tasks = plan.tasks()
@@ -476,6 +477,7 @@ def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, ki
     pending = list(tasks)
     done: set = set()
     killed = False
+    throttle = OomThrottle()
     t0 = time.monotonic()
 
     def warn(text: str) -> None:
@@ -491,10 +493,16 @@ def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, ki
             pending = []
             pool.kill_busy(lambda task: task.get("op") == "warmup")
         for w in pool.idle():
-            if not pending:
+            if not throttle.allows(pool.running):
                 break
-            pool.submit(w, pending.pop(0))
-        if not pending and not any(w.busy and (w.task or {}).get("op") == "warmup" for w in pool.workers):
+            task = None if killed else throttle.next_retry(pool.running)
+            if task is None:
+                if not pending:
+                    break
+                task = pending.pop(0)
+            pool.submit(w, task)
+        if not pending and not any(w.busy and (w.task or {}).get("op") == "warmup" for w in pool.workers) \
+                and (killed or not throttle.retry):
             break
         for ev in pool.poll(0.25):
             task = ev.task or {}
@@ -516,6 +524,11 @@ def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, ki
                          f"it and reports it properly)")
                 elif status == "unsupported":
                     out.unsupported += 1
+            elif ev.kind == "error" and ev.msg.get("kind") == "oom" and not killed:
+                line = throttle.ran_out(task, pool.running + 1)
+                if note is not None:
+                    note(f"notice: warmup: {line}")
+                continue
             elif ev.kind == "error":
                 out.failed += 1
                 warn(f"scenario '{label}' raised {ev.msg.get('error')} (not a finding)")

@@ -25,7 +25,10 @@ Tasks:
   a failure here is the warmup's warning, never a finding;
 - ``{"op": "exit"}``.
 Any exception becomes ``error`` with ``kind`` ``input`` (ValueError: a bad backend
-reference, spec or repro) or ``internal``.
+reference, spec or repro) or ``internal``; the GPU running out of memory (``blame.DeviceOutOfMemory``)
+becomes ``error`` with ``kind`` ``oom`` once the worker has freed what it held, for the parent
+to run the task again with fewer beside it (``harness.throttle``). A task with ``"alone": true``
+has the GPU to itself: there an out-of-memory error is the backend's own, a finding.
 
 Signals: SIGUSR1 asks the running fuzz chunk to stop at its next step (Ctrl-C in the
 parent); SIGUSR2 dumps every thread's Python stack to the log (the parent sends it to a
@@ -65,7 +68,16 @@ def _on_stop(signum, frame) -> None:
 
 
 # bound in main() once the harness imports (this module's top imports only the stdlib)
-CudaContextLost = is_cuda_error = None
+CudaContextLost = is_cuda_error = blame = None
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _lost(message: str) -> None:
@@ -233,7 +245,8 @@ def main(argv=None) -> int:
 
         import torch  # (import cost is paid before 'ready', not inside a task)
         importlib.import_module("mla_fuzz.harness.fuzz")
-        global CudaContextLost, is_cuda_error
+        global CudaContextLost, is_cuda_error, blame
+        from mla_fuzz.harness import blame
         from mla_fuzz.harness.blame import CudaContextLost, is_cuda_error
         threads = os.environ.get("MLA_FUZZ_TORCH_THREADS")
         if threads:
@@ -252,17 +265,30 @@ def main(argv=None) -> int:
             break
         _STOP = False
         t0 = time.time()
+        # a task the parent runs alone owns the GPU: an out-of-memory error there is the backend's
+        blame.OOM_IS_ENVIRONMENT = not task.get("alone")
+        oom = None
         try:
             body = {"fuzz": _fuzz_task, "replay": _replay_task, "warmup": _warmup_task}[task["op"]](task)
             send({"t": "done", "task": task["id"], "wall": time.time() - t0, **body})
         except CudaContextLost as exc:
             _lost(str(exc))
+        except blame.DeviceOutOfMemory as exc:
+            oom = str(exc)
         except Exception as exc:
             if is_cuda_error(f"{type(exc).__name__}: {exc}"):
                 _lost(f"{type(exc).__name__}: {exc}")
-            kind = "input" if isinstance(exc, ValueError) else "internal"
-            send({"t": "error", "task": task.get("id"), "kind": kind, "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()})
+            if blame.out_of_memory(exc) is not None:
+                oom = blame.first_line(blame.out_of_memory(exc))
+            else:
+                kind = "input" if isinstance(exc, ValueError) else "internal"
+                send({"t": "error", "task": task.get("id"), "kind": kind, "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc()})
+        if oom is not None:
+            # the task's tensors are garbage once its frames are gone: hand them back to the
+            # GPU before the parent gives this worker anything else
+            _free_device_memory()
+            send({"t": "error", "task": task.get("id"), "kind": "oom", "error": f"out of GPU memory: {oom}"})
         sys.stdout.flush()
         sys.stderr.flush()
     return 0

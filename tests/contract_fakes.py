@@ -227,3 +227,29 @@ class Chaos(OpBackend):
         o, lse = super().forward(q, kv_cache, md, out)
         _oob_write(lse, self.oob)
         return (o + 1 if self.garbage else o), lse
+
+
+_OOM_SEEN = []
+
+
+class OomOnce(OpBackend):
+    """Runs out of GPU memory once per process (its first build), as a neighbour's
+    allocation makes it do on a shared GPU; correct otherwise."""
+
+    name = "oom-once"
+
+    def check(self, batch):
+        if not _OOM_SEEN:
+            _OOM_SEEN.append(True)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB (a test double)")
+
+
+class OomAlways(OpBackend):
+    """Runs out of GPU memory on every build with two or more rows, alone or not: its own
+    allocation is too large."""
+
+    name = "oom-always"
+
+    def check(self, batch):
+        if batch.batch_size >= 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB (a test double)")  # OOM-LINE

@@ -125,3 +125,21 @@ def test_detection_benchmark_medians_are_over_caught_rows(load_benchmark):
     assert s["caught"] == 2 and s["not_caught"] == ["c"]
     assert s["median_seconds_to_detect"] == 2.0 and s["median_examples_to_detect"] == 3.0
     assert s["median_seconds_final"] == 7.0 and s["max_seconds_to_detect"] == 3.0
+
+
+def test_detection_benchmark_keeps_a_row_cut_after_its_first_sight(tmp_path, load_benchmark, capsys):
+    """A command cut by --row-timeout while shrinking still counts as caught, at the first
+    sight it announced; one cut before any sight is a row that says it timed out."""
+    det = load_benchmark("detection")
+    out_json = tmp_path / "det.json"
+    # nan-zero-len is seen within a few examples and then shrunk for up to a minute
+    code = det.main(["--graph", "emulated", "--only", "nan-zero-len", "--passes", "warm", "--row-timeout", "30",
+                     "--out", str(out_json)])
+    out, err = capsys.readouterr()
+    [row] = json.loads(out_json.read_text())["passes"]["warm"]["rows"]
+    if row.get("exit_code") is None:  # cut, as on this 2-core machine
+        assert row["error"] == "timed out after 30 s" and row["caught"] and row["timed_out_after_sight"], row
+        assert 0 < row["seconds_to_detect"] < 30 and row["examples_to_detect"] >= 1
+    else:  # a fast machine shrank it within the 30 s
+        assert row["caught"] and row["seconds"] <= 30
+    assert code == 0, out + err

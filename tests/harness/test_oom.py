@@ -1,0 +1,107 @@
+"""The GPU running out of memory is the environment's doing while tasks share the GPU (not a
+finding: the task runs again with fewer beside it) and the backend's own once it runs alone.
+Proven on CPU with test doubles that raise ``torch.OutOfMemoryError`` (``contract_fakes``)."""
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import contract_fakes
+from mla_fuzz.harness import blame
+from mla_fuzz.harness.blame import DeviceOutOfMemory
+from mla_fuzz.harness.executor import run_steps
+from mla_fuzz.harness.loading import load_backend
+from mla_fuzz.harness.scenario import ScenarioConfig
+from mla_fuzz.harness.throttle import OomThrottle
+from mla_fuzz.mla_ref import ModelSpec
+
+TESTS = Path(__file__).resolve().parent.parent
+
+_CFG = dict(spec=ModelSpec.tiny(num_heads=4).to_dict(), kv_dtype="fp16", q_dtype="fp16", page_size=16,
+            capture_sizes=[1, 2], max_pages_per_seq=4)
+_STEPS = [{"op": "capture", "size": 2, "batch": {"seed": 3, "seq_lens": [5, 7], "q_lens": [1, 1],
+                                                 "max_decode_len": 1}, "warmups": 0, "share": False}]
+
+
+def _oom_line() -> int:
+    src, start = inspect.getsourcelines(contract_fakes.OomAlways.check)
+    return start + next(i for i, line in enumerate(src) if "OOM-LINE" in line)
+
+
+def test_throttle_halves_the_cap_and_runs_the_last_retry_alone():
+    t = OomThrottle()
+    assert t.allows(15)
+    line = t.ran_out({"op": "fuzz", "id": "c3", "chunk": 3, "seed": 9}, 8)
+    assert t.cap == 4 and "chunk 3 (seed 9)" in line and "8 task(s)" in line and "not a finding" in line
+    assert t.allows(3) and not t.allows(4)
+    assert t.next_retry(4) is None  # no room yet
+    again = t.next_retry(2)
+    assert again["id"] == "c3" and again["oom_retries"] == 1 and "alone" not in again
+    t.ran_out(again, 3)
+    t.ran_out({"op": "fuzz", "id": "c5", "chunk": 5}, 2)
+    assert t.cap == 1
+    assert t.next_retry(1) is None
+    first = t.next_retry(0)
+    assert first["id"] == "c3" and first["alone"] is True and first["oom_retries"] == 2
+
+
+def test_a_step_out_of_memory_is_the_environment_unless_alone(monkeypatch):
+    cls = load_backend("contract_fakes:OomAlways")
+    with pytest.raises(DeviceOutOfMemory, match=r"step 0 \(capture\): OutOfMemoryError: CUDA out of memory"):
+        run_steps(cls, ScenarioConfig(**_CFG), _STEPS, "emulated")
+    monkeypatch.setattr(blame, "OOM_IS_ENVIRONMENT", False)
+    f = run_steps(cls, ScenarioConfig(**_CFG), _STEPS, "emulated")
+    assert f is not None and f.oracle == "backend-error", f
+    assert f"contract_fakes.py:{_oom_line()}" in f.message and "out of memory" in f.message
+
+
+def _run(args, tmp_path, timeout=300):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "mla_fuzz.harness.cli", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _campaign(backend: str, examples: int, seed: int, tmp_path):
+    """A two-worker emulated campaign of two chunks; the process and its JSON report."""
+    r = _run(["run", "--backend", f"contract_fakes:{backend}", "--examples", str(examples), "--chunk",
+              str(examples // 2), "--workers", "2", "--seed", str(seed), "--graph", "emulated", "--quiet",
+              "--corpus", str(tmp_path / "c"), "--json", str(tmp_path / "r.json")], tmp_path)
+    return r, (json.loads((tmp_path / "r.json").read_text()) if (tmp_path / "r.json").exists() else None)
+
+
+def test_a_campaign_runs_an_out_of_memory_chunk_again_and_finds_nothing(tmp_path):
+    r, rep = _campaign("OomOnce", 12, 4, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # each worker process ran out once: both chunks ran again, and every example was searched
+    assert rep["failures"] == [] and rep["errors"] == [] and rep["oom_retries"] >= 1
+    assert rep["examples"] >= 12
+    assert "GPU out of memory:" in r.stdout and "not findings" in r.stdout
+
+
+def test_an_out_of_memory_that_repeats_alone_is_the_backends_finding(tmp_path):
+    r, rep = _campaign("OomAlways", 20, 2, tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rep["oom_retries"] >= 1 and rep["errors"] == []
+    assert [f["class"] for f in rep["failures"]] == ["backend-error"], rep["failures"]
+    f = rep["failures"][0]
+    assert "OutOfMemoryError" in f["message"] and f"contract_fakes.py:{_oom_line()}" in f["message"]
+
+
+def test_a_matrix_row_out_of_memory_runs_again_and_is_not_caught(monkeypatch):
+    from mla_fuzz.harness.campaign import worker_envs
+    from mla_fuzz.harness.matrix import run_matrix
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    notes = []
+    rows = run_matrix(["contract_fakes:OomOnce", "contract_fakes:OomOnce"], {}, graph="emulated", spec="tiny",
+                      examples=3, seed=0, worker_envs=worker_envs(2, "emulated"), case_timeout=300.0,
+                      on_note=notes.append)
+    assert len(rows) == 2
+    for row in rows:
+        assert not row["caught"] and row["error"] is None and row["diagnosis"] is None, row
+    assert sum(r["oom_retries"] for r in rows) == 2  # one per worker process
+    assert any("ran out of GPU memory" in n and "not a finding" in n for n in notes), notes
