@@ -83,7 +83,7 @@ def test_a_campaign_runs_an_out_of_memory_chunk_again_and_finds_nothing(tmp_path
 
 
 def test_an_out_of_memory_that_repeats_alone_is_the_backends_finding(tmp_path):
-    r, rep = _campaign("OomAlways", 20, 2, tmp_path)
+    r, rep = _campaign("OomAlways", 8, 2, tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     assert rep["oom_retries"] >= 1 and rep["errors"] == []
     assert [f["class"] for f in rep["failures"]] == ["backend-error"], rep["failures"]
