@@ -199,7 +199,8 @@ def _build_parser() -> _Parser:
                          description="Fuzz every mutant and the clean triton backend; one row each. Exit 1 if a "
                          "mutant escapes or the clean backend is flagged.")
     mut.add_argument("--graph", default="auto", choices=GRAPHS)
-    mut.add_argument("--spec", default="tiny", choices=SPECS)
+    mut.add_argument("--spec", default="tiny", choices=SPEC_CHOICES,
+                     help="model dimensions: tiny (default), deepseek-v3, or both (each mutant a row at each size)")
     mut.add_argument("--examples", default="100", metavar="N", help="examples per backend (default 100)")
     mut.add_argument("--seed", default="0", metavar="S", help="seed for every row (default 0)")
     mut.add_argument("--max-seq-len", default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
@@ -595,7 +596,7 @@ def _failure_text(failure, diagnosis) -> str:
 
 def cmd_mutants(args) -> int:
     from .campaign import worker_envs
-    from .matrix import CLEAN, load_mutants, matrix_json, run_matrix, verdict
+    from .matrix import CLEAN, load_mutants, matrix_json, row_label, run_matrix, verdict
     from .render import MATRIX_HEADERS, matrix_rows, table
 
     examples = _positive_int("--examples", args.examples)
@@ -630,12 +631,13 @@ def cmd_mutants(args) -> int:
                   "tensors, which only the CPU interpreter's bounds check sees (--graph emulated)", file=sys.stderr)
         names = [n for n in names if n not in INTERPRETER_ONLY]
     refs = [f"mutant:{n}" for n in names] + ([] if args.no_clean else [CLEAN])
+    specs = list(SPECS) if args.spec == "both" else [args.spec]
     print(f"mla-fuzz mutants: {len(refs)} backends" + ("" if args.mutant_set == "public" else f" ({args.mutant_set} set)")
           + f", graph {mode}, spec {args.spec}, {examples} examples, seed {seed}", file=sys.stderr, flush=True)
 
     # the clean backend's kernels are what every row shares (a mutant with kernels of its own
     # compiles them in its row)
-    warm = _warmup_plan(args, CLEAN, [args.spec], mode, {}, max_seq_len)
+    warm = _warmup_plan(args, CLEAN, specs, mode, {}, max_seq_len)
     warm_out = []
     if warm is not None:
         print(f"warmup: {warm.describe()}; kernels in {warm.cache_dir}", file=sys.stderr, flush=True)
@@ -644,21 +646,21 @@ def cmd_mutants(args) -> int:
         when = "" if row.get("seconds_to_detect") is None else f", first seen at {row['seconds_to_detect']:.1f}s"
         what = (f"caught after {row['examples_to_detect']} examples{when}: {row['diagnosis']}" if row["caught"]
                 else f"nothing found in {row['examples']} examples")
-        print(f"[{done}/{total}] {row['name']}: {what}" + (f" (error: {row['error']})" if row.get("error") else ""),
-              file=sys.stderr, flush=True)
+        print(f"[{done}/{total}] {row_label(row, len(specs) > 1)}: {what}"
+              + (f" (error: {row['error']})" if row.get("error") else ""), file=sys.stderr, flush=True)
 
     def on_sight(row_name, seconds, examples_seen):
         print(f"[mla-fuzz] {seconds:.1f}s: {row_name}: FOUND at example {examples_seen} (shrinking...)",
               file=sys.stderr, flush=True)
 
     started = command_start()
-    rows = run_matrix(refs, expected, graph=mode, spec=args.spec, examples=examples, seed=seed,
+    rows = run_matrix(refs, expected, graph=mode, spec=specs, examples=examples, seed=seed,
                       worker_envs=worker_envs(workers, mode), case_timeout=case_timeout, max_seq_len=max_seq_len,
                       corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row, on_sight=on_sight,
                       started_at=started, warmup=warm, on_warmup=warm_out.append,
                       on_note=lambda text: print(f"[mla-fuzz] {text}", file=sys.stderr, flush=True))
     code, reasons = verdict(rows, strict=args.strict)
-    _print_lines(table(MATRIX_HEADERS, matrix_rows(rows), indent=""))
+    _print_lines(table(MATRIX_HEADERS, matrix_rows(rows, by_spec=len(specs) > 1), indent=""))
     for r in reasons:
         print("FAIL: " + r)
     if len(rows) < len(refs):

@@ -62,16 +62,20 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
                worker_envs: list[dict], case_timeout: float | None, corpus: Path | None = None,
                on_row=None, max_seq_len: int | None = None, on_sight=None,
                started_at: float | None = None, warmup=None, on_warmup=None, on_note=None) -> list[dict]:
-    """Fuzz each backend ref in ``names`` (``mutant:NAME`` or ``triton``); one dict per row in
-    ``names`` order (sequences up to ``max_seq_len``; None: per spec and device).
+    """Fuzz each backend ref in ``names`` (``mutant:NAME`` or ``triton``) at ``spec`` (a name, or
+    a list of them: a row per backend and spec); one dict per row in ``names`` order, its specs
+    in ``spec``'s order (sequences up to ``max_seq_len``; None: per spec and device).
     ``on_row(row, done, total)`` is called as rows finish, ``on_sight(name, seconds,
     examples)`` when a row first sees a failure. Times count from ``started_at`` (epoch
     seconds; default now). On Ctrl-C the rows finished so far are returned (fewer than
     ``names``). ``warmup``: a warmup plan run on the rows' workers first (``on_warmup(outcome)``
     gets what it did, ``on_note(text)`` its progress lines)."""
-    tasks = [{"op": "fuzz", "id": f"m{i}", "backend": ref, "graph": graph, "spec": spec, "examples": examples,
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    # a backend's rows at each size side by side, so the first findings at both sizes come early
+    pairs = [(ref, sp) for ref in names for sp in specs]
+    tasks = [{"op": "fuzz", "id": f"m{i}", "backend": ref, "graph": graph, "spec": sp, "examples": examples,
               "seed": seed, "budget_s": None, "shrink": True, "shrink_seconds": SHRINK_SECONDS,
-              "max_seq_len": max_seq_len} for i, ref in enumerate(names)]
+              "max_seq_len": max_seq_len} for i, (ref, sp) in enumerate(pairs)]
     rows: dict[str, dict] = {}
     pending = list(tasks)
     clock = _Clock(time.time() if started_at is None else started_at)
@@ -139,6 +143,7 @@ def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on
            clock: _Clock | None = None, on_note=None) -> None:
     clock = clock or _Clock(time.time())
     throttle = OomThrottle()
+    by_spec = len({t.get("spec") for t in pending}) > 1
     while pending or pool.busy or throttle.retry:
         for w in pool.idle():
             if not throttle.allows(pool.running):
@@ -167,7 +172,8 @@ def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on
                 clock.sights.setdefault(ev.task["id"], (at, ev.msg.get("examples_to_detect")))
                 if on_sight is not None:
                     ref = ev.task["backend"]
-                    on_sight(ref.split(":", 1)[1] if ref.startswith("mutant:") else ref, at,
+                    name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
+                    on_sight(row_label({"name": name, "spec": ev.task.get("spec")}, by_spec), at,
                              ev.msg.get("examples_to_detect"))
                 continue
             if ev.kind in ("step", "phase", "ready", "found"):
@@ -195,7 +201,7 @@ def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on
 def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
     ref = ev.task["backend"]
     name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
-    row = {"name": name, "backend": ref, "caught": False, "examples": None, "examples_to_detect": None,
+    row = {"name": name, "backend": ref, "spec": ev.task.get("spec"), "caught": False, "examples": None, "examples_to_detect": None,
            "seconds_to_detect": None, "seconds": None, "row_started_s": None, "search_seconds_to_detect": None,
            "shrink_runs": None, "diagnosis": None, "oracle": None,
            "expected": sorted(expected.get(name, ())), "matches": None, "repro": None, "error": None}
@@ -230,19 +236,27 @@ def _round(v):
     return None if v is None else round(float(v), 3)
 
 
+def row_label(row: dict, by_spec: bool) -> str:
+    """The row's name, with its spec when the matrix has rows at several sizes."""
+    return f"{row['name']} ({row.get('spec')})" if by_spec else row["name"]
+
+
 def verdict(rows: list[dict], strict: bool = False) -> tuple[int, list[str]]:
     """Exit status and reasons: 1 when a mutant escaped, the clean backend was flagged, a
     row errored, or (``strict``) a diagnosis is not an expected one."""
     bad = []
+    by_spec = len({r.get("spec") for r in rows}) > 1
     for r in rows:
+        name = row_label(r, by_spec)
         if r.get("error"):
-            bad.append(f"{r['name']}: error: {r['error']}")
+            bad.append(f"{name}: error: {r['error']}")
         elif r["backend"] == CLEAN and r["caught"]:
-            bad.append(f"clean backend flagged: {r['diagnosis']}")
+            where = f" ({r.get('spec')})" if by_spec else ""
+            bad.append(f"clean backend{where} flagged: {r['diagnosis']}")
         elif r["backend"] != CLEAN and not r["caught"]:
-            bad.append(f"{r['name']} escaped ({r['examples']} examples)")
+            bad.append(f"{name} escaped ({r['examples']} examples)")
         elif strict and r.get("matches") is False:
-            bad.append(f"{r['name']} diagnosed {r['diagnosis']}, expected one of {r['expected']}")
+            bad.append(f"{name} diagnosed {r['diagnosis']}, expected one of {r['expected']}")
     return (1 if bad else 0), bad
 
 

@@ -235,13 +235,15 @@ def _secs(v) -> str:
     return "" if v is None else f"{v:.1f}"
 
 
-def matrix_rows(rows: list[dict]) -> list[list]:
+def matrix_rows(rows: list[dict], by_spec: bool = False) -> list[list]:
     """``examples``: to detect (caught) or searched (not caught); ``first sight``: seconds
-    from the command's start to the row's first failure, ``final``: to the row's end."""
+    from the command's start to the row's first failure, ``final``: to the row's end.
+    ``by_spec``: rows at several sizes, each named with its spec."""
+    from .matrix import row_label
     out = []
     for r in rows:
         match = r.get("matches")
-        out.append([r["name"], "yes" if r["caught"] else "no",
+        out.append([row_label(r, by_spec), "yes" if r["caught"] else "no",
                     r.get("examples_to_detect") if r["caught"] else r.get("examples"),
                     _secs(r.get("seconds_to_detect")), _secs(r.get("seconds")),
                     r.get("diagnosis") or "-",
