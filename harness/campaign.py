@@ -556,7 +556,8 @@ class CampaignRun:
             left = self._time_left()
             if task["op"] == "fuzz" and not self._stopping and (left is None or left > 0.2):
                 self._live[task["id"]] = _Live(task.get("spec"))
-                return dict(task, budget_s=self._time_left(), known=sorted(self._known))
+                own = (self._sights.get(task["id"]) or {}).get("key")
+                return dict(task, budget_s=left, known=sorted(k for k in self._known if k != own))
             if task["op"] == "replay" and task["id"] in self._reducing and self._reduce_allowed():
                 return task
             if task["op"] == "fuzz":
@@ -659,8 +660,10 @@ class CampaignRun:
         if ev.kind == "error" and ev.msg.get("kind") == "oom":
             # not a finding: the chunk runs again, with fewer tasks beside it; what it
             # counted so far is counted again then (same seed, same cases)
+            # A failure the chunk had sighted keeps its unshrunk finding; the chunk's sight stays
+            # too, so the rerun (told every known failure but that one) finds, shrinks and
+            # diagnoses it, and finishes that finding.
             self._live.pop(tid, None)
-            self._sights.pop(tid, None)
             line = self._throttle.ran_out(task, pool.running + 1) + f": {ev.msg.get('error')}"
             self.result.oom_retries += 1
             self._note("notice: " + line)
@@ -761,6 +764,8 @@ class CampaignRun:
             return
         fail = repro.get("failure") or {}
         key = _key(repro)
+        if (self._sights.get(tid) or {}).get("key") == key:
+            return  # a chunk run again (out of GPU memory) seeing its failure again: the first sight stands
         at = self._elapsed()
         examples = self.result.examples + sum(v.examples for v in self._live.values())
         sight = {"at": at, "examples": examples, "key": key, "sig": None}

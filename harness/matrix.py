@@ -160,8 +160,8 @@ def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on
                 raise RuntimeError(f"worker could not start: {ev.msg.get('error')}\n"
                                    + "\n".join(ev.msg.get("log_tail") or []))
             if ev.kind == "error" and ev.msg.get("kind") == "oom" and ev.task is not None:
-                # not the row's finding: it runs again with fewer rows beside it
-                clock.sights.pop(ev.task["id"], None)
+                # not the row's finding: it runs again with fewer rows beside it (a failure it
+                # had already sighted keeps that first sight)
                 line = throttle.ran_out(ev.task, pool.running + 1)
                 clock.oom_retries[ev.task["id"]] = clock.oom_retries.get(ev.task["id"], 0) + 1
                 if on_note is not None:

@@ -253,3 +253,24 @@ class OomAlways(OpBackend):
     def check(self, batch):
         if batch.batch_size >= 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB (a test double)")  # OOM-LINE
+
+
+_FAILED_ONCE = []
+
+
+class OomWhileShrinking(OpBackend):
+    """A real bug (any batch of three or more rows raises), and, once per process, the GPU
+    running out of memory on the second build after that bug was first hit: while the search
+    shrinks it."""
+
+    name = "oom-while-shrinking"
+
+    def check(self, batch):
+        if _FAILED_ONCE and len(_FAILED_ONCE) < 3:
+            _FAILED_ONCE.append(True)
+            if len(_FAILED_ONCE) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (a test double)")
+        if batch.batch_size >= 3:
+            if not _FAILED_ONCE:
+                _FAILED_ONCE.append(True)
+            raise ValueError("three rows are one too many")

@@ -105,3 +105,20 @@ def test_a_matrix_row_out_of_memory_runs_again_and_is_not_caught(monkeypatch):
         assert not row["caught"] and row["error"] is None and row["diagnosis"] is None, row
     assert sum(r["oom_retries"] for r in rows) == 2  # one per worker process
     assert any("ran out of GPU memory" in n and "not a finding" in n for n in notes), notes
+
+
+def test_a_failure_seen_before_running_out_of_memory_is_shrunk_by_the_rerun(tmp_path):
+    r = _run(["run", "--backend", "contract_fakes:OomWhileShrinking", "--examples", "30", "--workers", "1",
+              "--seed", "1", "--graph", "emulated", "--quiet", "--corpus", str(tmp_path / "c"),
+              "--json", str(tmp_path / "r.json")], tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["oom_retries"] == 1 and rep["errors"] == [], rep
+    [f] = rep["failures"]
+    # one finding, seen once before the out-of-memory error, finished by the rerun: shrunk, diagnosed
+    assert f["class"] == "backend-error" and "three rows are one too many" in f["message"], f
+    assert f["count"] == 1 and rep["failures_by_class"] == {"backend-error": 1}, rep
+    assert not Path(f["path"]).name.startswith("unshrunk-") and Path(f["path"]).exists()
+    assert not list((tmp_path / "c").glob("unshrunk-*.json"))
+    data = json.loads(Path(f["path"]).read_text())
+    assert len(data["steps"]) <= 2 and data["diagnosis"]["cls"] == "backend-error"
