@@ -6,6 +6,9 @@
 # - tiny, warm: the same command again (new processes, the cache the first one filled);
 # - the held-out set (--set heldout) on the cache the tiny matrix warmed (heldout-cold: its own
 #   empty cache);
+# - startup: benchmarks/startup.py on the cache the tiny matrix warmed (imports, pools of 1, 4
+#   and WORKERS workers to ready, one process's per-scenario kernel loads): where the seconds
+#   before a row's first example go;
 # - DeepSeek-V3 size, cold then warm, on its own empty cache; then the held-out set there.
 # PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold).
 # Each json row has seconds_to_detect (from the command's start) and row_started_s (when a
@@ -29,9 +32,13 @@ matrix() {  # name cache-dir args...
     [ "$r" -gt "$rc" ] && rc=$r
 }
 C=$(mktemp -d)
-for phase in ${PHASES:-tiny-cold tiny-warm heldout-warm dsv3-cold dsv3-warm heldout-dsv3-warm}; do
+for phase in ${PHASES:-tiny-cold tiny-warm startup heldout-warm dsv3-cold dsv3-warm heldout-dsv3-warm}; do
     case $phase in
         tiny-cold|tiny-warm) matrix "$phase" "$C/tiny" --spec tiny ;;
+        startup)
+            TRITON_CACHE_DIR="$C/tiny" "$PY" benchmarks/startup.py --graph cuda --workers "1,4,$W" --scenarios 8 \
+                --out "$OUT/startup.json" >"$OUT/startup.txt" 2>&1
+            r=$?; echo "startup: exit $r"; tail -n 4 "$OUT/startup.txt"; [ "$r" -gt "$rc" ] && rc=$r ;;
         heldout-cold) matrix "$phase" "$C/heldout" --spec tiny --set heldout ;;
         heldout-warm) matrix "$phase" "$C/tiny" --spec tiny --set heldout ;;
         dsv3-cold|dsv3-warm) matrix "$phase" "$C/dsv3" --spec deepseek-v3 ;;
