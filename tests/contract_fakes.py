@@ -61,9 +61,10 @@ class OpBackend:
 
 class FrequentAndRare(OpBackend):
     """Two different errors: a frequent one (any sequence of 3+ tokens) and a rare one (a
-    sequence of 13-16 tokens in a batch of 3+ rows: about one step in seventy once the
-    frequent one is known, so a loaded CI core reaches it well inside its minute; the test is
-    about the known failure being searched past, not about hitting one exact length)."""
+    sequence of 13-16 tokens in a batch of 3+ rows: a few in a hundred steps drawn, so the
+    frequent one is seen first and a loaded CI core still reaches the rare one well inside its
+    half minute; the test is about the known failure being searched past, not about hitting
+    one exact length)."""
 
     name = "frequent-and-rare"
 
