@@ -51,9 +51,10 @@ class DeviceOutOfMemory(BaseException):
 
 
 #: Whether an out-of-memory error in a step is the environment's (``DeviceOutOfMemory``)
-#: rather than the backend's error. The worker sets it per task: off for a task the parent
-#: runs alone, where nothing else holds the GPU's memory.
-OOM_IS_ENVIRONMENT = True
+#: rather than the backend's error. Off in a process of its own (``fuzz()`` called in-process,
+#: the pytest plugin): the backend's error there. A pool's worker sets it per task: on, but
+#: off for a task the parent runs alone, where nothing else holds the GPU's memory.
+OOM_IS_ENVIRONMENT = False
 
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
                   r"out of memory \(cudaErrorMemoryAllocation\)", re.IGNORECASE)

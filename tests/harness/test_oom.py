@@ -51,9 +51,10 @@ def test_throttle_halves_the_cap_and_runs_the_last_retry_alone():
 
 def test_a_step_out_of_memory_is_the_environment_unless_alone(monkeypatch):
     cls = load_backend("contract_fakes:OomAlways")
+    monkeypatch.setattr(blame, "OOM_IS_ENVIRONMENT", True)  # a pool's worker, beside others
     with pytest.raises(DeviceOutOfMemory, match=r"step 0 \(capture\): OutOfMemoryError: CUDA out of memory"):
         run_steps(cls, ScenarioConfig(**_CFG), _STEPS, "emulated")
-    monkeypatch.setattr(blame, "OOM_IS_ENVIRONMENT", False)
+    monkeypatch.setattr(blame, "OOM_IS_ENVIRONMENT", False)  # alone, or in-process: the default
     f = run_steps(cls, ScenarioConfig(**_CFG), _STEPS, "emulated")
     assert f is not None and f.oracle == "backend-error", f
     assert f"contract_fakes.py:{_oom_line()}" in f.message and "out of memory" in f.message
@@ -122,3 +123,14 @@ def test_a_failure_seen_before_running_out_of_memory_is_shrunk_by_the_rerun(tmp_
     assert not list((tmp_path / "c").glob("unshrunk-*.json"))
     data = json.loads(Path(f["path"]).read_text())
     assert len(data["steps"]) <= 2 and data["diagnosis"]["cls"] == "backend-error"
+
+
+def test_in_process_an_out_of_memory_error_is_the_backends():
+    """``fuzz()`` called in a process of its own (the pytest plugin does): nothing else holds
+    the GPU, so running out of memory is a finding at the backend's line, never an escape."""
+    from mla_fuzz.harness.fuzz import fuzz
+    assert blame.OOM_IS_ENVIRONMENT is False
+    report = fuzz("contract_fakes:OomAlways", spec="tiny", graph_mode="emulated", examples=10, seed=0,
+                  shrink_seconds=10)
+    assert report.failed and report.repro["diagnosis"]["cls"] == "backend-error"
+    assert f"contract_fakes.py:{_oom_line()}" in report.repro["failure"]["message"]
