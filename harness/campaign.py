@@ -658,11 +658,10 @@ class CampaignRun:
             self._sighted(tid, ev.msg)
             return
         if ev.kind == "error" and ev.msg.get("kind") == "oom":
-            # not a finding: the chunk runs again, with fewer tasks beside it; what it
-            # counted so far is counted again then (same seed, same cases)
-            # A failure the chunk had sighted keeps its unshrunk finding; the chunk's sight stays
-            # too, so the rerun (told every known failure but that one) finds, shrinks and
-            # diagnoses it, and finishes that finding.
+            # Not a finding: the chunk runs again with fewer tasks beside it, and counts its
+            # cases then (same seed, same cases). A failure it had sighted keeps its unshrunk
+            # finding and the chunk's sight, so the rerun (told every known failure but that
+            # one) finds, shrinks and diagnoses it, and finishes that finding.
             self._live.pop(tid, None)
             line = self._throttle.ran_out(task, pool.running + 1) + f": {ev.msg.get('error')}"
             self.result.oom_retries += 1
