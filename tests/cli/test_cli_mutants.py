@@ -148,14 +148,13 @@ def test_detection_benchmark_keeps_a_row_cut_after_its_first_sight(tmp_path, loa
 def test_mutants_at_both_sizes_gives_a_row_per_size(tmp_path, capsys):
     out_json = tmp_path / "m.json"
     code, out, err = _run(["mutants", "--only", MUTANT, "--spec", "both", "--graph", "emulated", "--examples", "2",
-                           "--json", str(out_json)], capsys)
+                           "--no-clean", "--json", str(out_json)], capsys)
     assert code == 0, out + err
     doc = json.loads(out_json.read_text())
     assert doc["spec"] == "both"
     got = [(r["name"], r["spec"], r["caught"]) for r in doc["rows"]]
-    assert got == [(MUTANT, "tiny", True), (MUTANT, "deepseek-v3", True),
-                   ("triton", "tiny", False), ("triton", "deepseek-v3", False)], got
-    assert all(r["diagnosis"] in EXPECTED[MUTANT] for r in doc["rows"][:2])
+    assert got == [(MUTANT, "tiny", True), (MUTANT, "deepseek-v3", True)], got
+    assert all(r["diagnosis"] in EXPECTED[MUTANT] for r in doc["rows"])
     # each row is named with its size, in the table and in the live lines
-    assert f"{MUTANT} (deepseek-v3)" in out and "triton (tiny)" in out
+    assert f"{MUTANT} (deepseek-v3)" in out and f"{MUTANT} (tiny)" in out
     assert f"{MUTANT} (tiny): FOUND at example" in err
