@@ -467,8 +467,19 @@ class CampaignRun:
             left = self._time_left()
             return self._hard or self.result.interrupted or (left is not None and left < -STOP_GRACE_S)
 
+        def start_chunk(w) -> bool:
+            # once every scenario has a worker, idle ones start the search (its first chunks
+            # run beside the warmup's last scenarios instead of after them)
+            return self._start_one(pool, w)
+
+        def on_event(ev) -> None:
+            self._event(ev, pool)
+            if self.result.error_kind is not None:
+                self._hard = True
+
         try:
-            out = run_warmup(plan, pool, note=self._note, on_tick=tick, stop=stop, kill=kill)
+            out = run_warmup(plan, pool, note=self._note, on_tick=tick, stop=stop, kill=kill, on_idle=start_chunk,
+                             on_event=on_event)
         except WorkerFatal as exc:
             self.result.errors.append(str(exc))
             self.result.error_kind = "internal"
@@ -544,6 +555,17 @@ class CampaignRun:
                 "strict_contiguity": opts.strict_contiguity, "known": sorted(self._known),
                 "max_seq_len": opts.max_seq_len}
 
+    def _start_one(self, pool: Pool, w) -> bool:
+        """Give the idle worker ``w`` its next task (one that ran out of memory first), if one
+        may start now."""
+        if self._hard or not self._throttle.allows(pool.running):
+            return False
+        task = self._retry_task(pool.running) or self._next_task()
+        if task is None:
+            return False
+        pool.submit(w, task)
+        return True
+
     def _retry_task(self, running: int) -> dict | None:
         """A task that ran out of GPU memory, to run again now (``harness.throttle``): a chunk
         (its examples already counted against the quota) with the budget left now and the
@@ -590,12 +612,8 @@ class CampaignRun:
                     # Reductions re-run failures already on disk: nothing to lose by ending them.
                     pool.kill_busy(lambda task: task.get("op") == "replay")
             for w in pool.idle():
-                if not self._throttle.allows(pool.running):
+                if not self._start_one(pool, w):
                     break
-                task = self._retry_task(pool.running) or self._next_task()
-                if task is None:
-                    break
-                pool.submit(w, task)
             if not pool.busy and not self._work_left():
                 break
             for ev in pool.poll(0.25):

@@ -83,12 +83,13 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
         pool = Pool(worker_envs[: max(1, min(len(worker_envs), len(tasks)))], logs, case_timeout=case_timeout)
         pool.start()
         try:
+            driver = _Rows(pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock,
+                           on_note)
             if warmup is not None:
-                out = _warmup(pool, warmup, clock, on_note)
+                out = _warmup(pool, warmup, clock, on_note, driver)
                 if on_warmup is not None:
                     on_warmup(out)
-            _drive(pool, pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock,
-                   on_note)
+            _drive(pool, driver)
         except KeyboardInterrupt:
             pass
         finally:
@@ -96,9 +97,10 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
     return [rows[t["id"]] for t in tasks if t["id"] in rows]
 
 
-def _warmup(pool, plan, clock, on_note=None):
+def _warmup(pool, plan, clock, on_note=None, rows: _Rows | None = None):
     """The warmup phase on the matrix's workers (``harness.warmup.run_warmup``); a worker that
-    cannot start is a RuntimeError, as in the rows."""
+    cannot start is a RuntimeError, as in the rows. Once every warmup scenario has a worker,
+    ``rows`` gets the idle ones: the first rows start during the warmup's last scenarios."""
     from .warmup import WorkerFatal, run_warmup, skipped, summary_line
 
     def note(text: str) -> None:
@@ -119,7 +121,9 @@ def _warmup(pool, plan, clock, on_note=None):
 
     note(f"{clock.now():.1f}s: warmup: {plan.describe()} on {len(pool.workers)} worker(s)")
     try:
-        out = run_warmup(plan, pool, note=note, on_tick=tick)
+        out = run_warmup(plan, pool, note=note, on_tick=tick,
+                         on_idle=None if rows is None else (lambda w: rows.start(pool, w)),
+                         on_event=None if rows is None else (lambda ev: rows.handle(ev, pool)))
     except WorkerFatal as exc:
         raise RuntimeError(str(exc)) from None
     note(f"{clock.now():.1f}s: " + summary_line(out, len(pool.workers)))
@@ -139,63 +143,86 @@ class _Clock:
         return time.monotonic() - self._t0
 
 
-def _drive(pool, pending, rows, total, expected, graph, case_timeout, corpus, on_row, on_sight=None,
-           clock: _Clock | None = None, on_note=None) -> None:
-    clock = clock or _Clock(time.time())
-    throttle = OomThrottle()
-    by_spec = len({t.get("spec") for t in pending}) > 1
-    while pending or pool.busy or throttle.retry:
+class _Rows:
+    """The rows still to run and the events of those running: hands an idle worker its next
+    row (``start``) and turns a row's end into its dict (``handle``)."""
+
+    def __init__(self, pending, rows, total, expected, graph, case_timeout, corpus, on_row, on_sight, clock,
+                 on_note):
+        self.pending, self.rows, self.total, self.expected = pending, rows, total, expected
+        self.graph, self.case_timeout, self.corpus = graph, case_timeout, corpus
+        self.on_row, self.on_sight, self.clock, self.on_note = on_row, on_sight, clock, on_note
+        self.throttle = OomThrottle()
+        self.by_spec = len({t.get("spec") for t in pending}) > 1
+
+    @property
+    def left(self) -> bool:
+        return bool(self.pending or self.throttle.retry)
+
+    def start(self, pool, w) -> bool:
+        """Give the idle worker ``w`` a row (one that ran out of memory first), if one may start."""
+        if not self.throttle.allows(pool.running):
+            return False
+        task = self.throttle.next_retry(pool.running)
+        if task is None:
+            if not self.pending:
+                return False
+            task = self.pending.pop(0)
+        self.clock.started.setdefault(task["id"], self.clock.now())
+        pool.submit(w, task)
+        return True
+
+    def handle(self, ev, pool) -> None:
+        clock = self.clock
+        if ev.kind == "fatal":
+            raise RuntimeError(f"worker could not start: {ev.msg.get('error')}\n"
+                               + "\n".join(ev.msg.get("log_tail") or []))
+        if ev.kind == "error" and ev.msg.get("kind") == "oom" and ev.task is not None:
+            # not the row's finding: it runs again with fewer rows beside it (a failure it
+            # had already sighted keeps that first sight)
+            line = self.throttle.ran_out(ev.task, pool.running + 1)
+            clock.oom_retries[ev.task["id"]] = clock.oom_retries.get(ev.task["id"], 0) + 1
+            if self.on_note is not None:
+                self.on_note(f"{clock.now():.1f}s: notice: {line}: {ev.msg.get('error')}")
+            return
+        if ev.kind == "found" and ev.task is not None:
+            at = clock.now()
+            clock.sights.setdefault(ev.task["id"], (at, ev.msg.get("examples_to_detect")))
+            if self.on_sight is not None:
+                ref = ev.task["backend"]
+                name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
+                self.on_sight(row_label({"name": name, "spec": ev.task.get("spec")}, self.by_spec), at,
+                              ev.msg.get("examples_to_detect"))
+            return
+        if ev.kind in ("step", "phase", "ready", "found") or ev.task is None:
+            return
+        row = _row(ev, self.expected, self.graph, self.case_timeout, self.corpus)
+        tid = ev.task["id"]
+        row["row_started_s"] = _round(clock.started.get(tid))
+        row["seconds"] = _round(clock.now())
+        row["oom_retries"] = clock.oom_retries.get(tid, 0)
+        if row["caught"]:
+            sight = clock.sights.get(tid)
+            if sight is not None:
+                row["seconds_to_detect"] = _round(sight[0])
+            elif ev.kind in ("died", "hung"):
+                row["seconds_to_detect"] = row["seconds"]  # the death is its first sight
+            elif row.get("search_seconds_to_detect") is not None and tid in clock.started:
+                row["seconds_to_detect"] = _round(clock.started[tid] + row["search_seconds_to_detect"])
+            else:
+                row["seconds_to_detect"] = row["seconds"]
+        self.rows[tid] = row
+        if self.on_row is not None:
+            self.on_row(row, len(self.rows), self.total)
+
+
+def _drive(pool, rows: _Rows) -> None:
+    while rows.left or pool.busy:
         for w in pool.idle():
-            if not throttle.allows(pool.running):
+            if not rows.start(pool, w):
                 break
-            task = throttle.next_retry(pool.running)
-            if task is None:
-                if not pending:
-                    break
-                task = pending.pop(0)
-            clock.started.setdefault(task["id"], clock.now())
-            pool.submit(w, task)
         for ev in pool.poll(0.25):
-            if ev.kind == "fatal":
-                raise RuntimeError(f"worker could not start: {ev.msg.get('error')}\n"
-                                   + "\n".join(ev.msg.get("log_tail") or []))
-            if ev.kind == "error" and ev.msg.get("kind") == "oom" and ev.task is not None:
-                # not the row's finding: it runs again with fewer rows beside it (a failure it
-                # had already sighted keeps that first sight)
-                line = throttle.ran_out(ev.task, pool.running + 1)
-                clock.oom_retries[ev.task["id"]] = clock.oom_retries.get(ev.task["id"], 0) + 1
-                if on_note is not None:
-                    on_note(f"{clock.now():.1f}s: notice: {line}: {ev.msg.get('error')}")
-                continue
-            if ev.kind == "found" and ev.task is not None:
-                at = clock.now()
-                clock.sights.setdefault(ev.task["id"], (at, ev.msg.get("examples_to_detect")))
-                if on_sight is not None:
-                    ref = ev.task["backend"]
-                    name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
-                    on_sight(row_label({"name": name, "spec": ev.task.get("spec")}, by_spec), at,
-                             ev.msg.get("examples_to_detect"))
-                continue
-            if ev.kind in ("step", "phase", "ready", "found"):
-                continue
-            row = _row(ev, expected, graph, case_timeout, corpus)
-            tid = ev.task["id"]
-            row["row_started_s"] = _round(clock.started.get(tid))
-            row["seconds"] = _round(clock.now())
-            row["oom_retries"] = clock.oom_retries.get(tid, 0)
-            if row["caught"]:
-                sight = clock.sights.get(tid)
-                if sight is not None:
-                    row["seconds_to_detect"] = _round(sight[0])
-                elif ev.kind in ("died", "hung"):
-                    row["seconds_to_detect"] = row["seconds"]  # the death is its first sight
-                elif row.get("search_seconds_to_detect") is not None and tid in clock.started:
-                    row["seconds_to_detect"] = _round(clock.started[tid] + row["search_seconds_to_detect"])
-                else:
-                    row["seconds_to_detect"] = row["seconds"]
-            rows[tid] = row
-            if on_row is not None:
-                on_row(row, len(rows), total)
+            rows.handle(ev, pool)
 
 
 def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:

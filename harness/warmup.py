@@ -459,14 +459,19 @@ def _never() -> bool:
     return False
 
 
-def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, kill=None) -> WarmupOutcome:
+def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, kill=None, on_idle=None,
+               on_event=None) -> WarmupOutcome:
     """Run ``plan``'s scenarios on ``pool`` (started; its workers idle): one task per scenario to
     whichever worker is free, so the workers compile different variants at the same time.
     ``note(text)`` gets a line for each warning, ``on_tick(done, total)`` is called about four
     times a second; ``stop()`` true: dispatch no more (running scenarios finish), ``kill()``
     true: end the running ones now. A scenario that fails, is declined, kills or hangs its
     worker is a warning, never a finding (the pool restarts a dead worker). Writes the marker
-    of each spec whose scenarios all ran. ``WorkerFatal`` when a worker cannot start."""
+    of each spec whose scenarios all ran. ``WorkerFatal`` when a worker cannot start.
+
+    Once every scenario has a worker, ``on_idle(worker)`` may give an idle worker other work
+    (True when it did), and ``on_event(event)`` gets every event of that work, so the command's
+    own tasks start during the warmup's last scenarios instead of after them."""
     from .pool import exit_text
     from .throttle import OomThrottle
 
@@ -498,6 +503,8 @@ def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, ki
             task = None if killed else throttle.next_retry(pool.running)
             if task is None:
                 if not pending:
+                    if not killed and on_idle is not None and on_idle(w):
+                        continue
                     break
                 task = pending.pop(0)
             pool.submit(w, task)
@@ -511,7 +518,11 @@ def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, ki
                 raise WorkerFatal(f"worker {ev.slot} could not start: {ev.msg.get('error')}"
                                   + (f"\n  worker log:\n    {tail}" if tail else ""))
             tid = task.get("id")
-            if tid not in names or ev.kind in ("ready", "step", "phase", "found"):
+            if tid not in names:
+                if on_event is not None and ev.kind != "ready":
+                    on_event(ev)
+                continue
+            if ev.kind in ("ready", "step", "phase", "found"):
                 continue
             sc = names[tid]
             label = sc["name"]

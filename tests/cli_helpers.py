@@ -21,11 +21,13 @@ class RecordingDisplay:
     """A campaign display that keeps what the user would have seen: ``notes`` as
     ``(time.time(), text, files)`` where ``files`` maps each ``*.json`` path the line names to
     its content at that moment (None: no such file) and ``listing`` to the names in its
-    folder then; ``counts`` as ``(cases, steps)`` of every live update."""
+    folder then; ``counts`` as ``(cases, steps)`` of every live update, ``stamps`` their
+    ``time.time()``."""
 
     def __init__(self):
         self.notes: list = []
         self.counts: list = []
+        self.stamps: list = []
 
     def __enter__(self):
         return self
@@ -46,7 +48,9 @@ class RecordingDisplay:
         self.notes.append((time.time(), text, files))
 
     def update(self, result, live_examples: int = 0, live_steps: int = 0, force: bool = False) -> None:
+        import time
         self.counts.append((result.examples + live_examples, result.steps + live_steps))
+        self.stamps.append(time.time())
 
 
 def record_display(monkeypatch) -> RecordingDisplay:

@@ -280,3 +280,58 @@ def test_mutants_matrix_runs_the_warmup_on_its_workers_first(cache):
     assert doc["warm"] is False and doc["warmup_scenarios"] == 2 and doc["warmup_s"] > 0
     assert any("warmup: 2 scenario(s) in" in n for n in notes)
     assert prepare("triton", ["tiny"], "emulated", gpu=False, narrow=narrow).warm  # the marker was written
+
+
+def test_matrix_rows_start_during_the_warmups_last_scenarios(cache):
+    """Once every warmup scenario has a worker, an idle worker takes a row: with a long and a
+    short scenario on two workers, the second worker is free while the long one still runs and
+    the first row starts then, well before the warmup ends; the warmup still runs both."""
+    import dataclasses
+    import time as _time
+
+    from mla_fuzz.harness.campaign import worker_envs
+    from mla_fuzz.harness.matrix import run_matrix
+
+    narrow = cli.narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
+                                  "no_sparse": True, "no_layer": True})
+    plan = prepare("triton", ["tiny"], "emulated", gpu=False, narrow=narrow)
+    short, long_ = sorted(plan.specs[0].scenarios, key=lambda sc: "long" in sc.name)
+    replay = next(st for st in long_.steps if st["op"] == "replay")
+    long_ = dataclasses.replace(long_, steps=long_.steps + [replay] * 30)  # seconds under the interpreter
+    plan.specs[0].scenarios = [long_, short]
+    got = []
+    t0, m0 = _time.time(), _time.monotonic()
+    rows = run_matrix(["triton", "triton"], {}, graph="emulated", spec="tiny", examples=1, seed=0,
+                      worker_envs=worker_envs(2, "emulated"), case_timeout=300.0, warmup=plan, started_at=t0,
+                      on_warmup=lambda out: got.append((out, _time.monotonic() - m0)))
+    assert len(rows) == 2 and not any(r["caught"] or r["error"] for r in rows), rows
+    out, warmup_end = got[0]
+    assert out.ran == 2 and out.completed and out.failed == 0
+    # both clocks count from t0: the row started while the long scenario still ran
+    assert min(r["row_started_s"] for r in rows) < warmup_end - 1.0, (rows, warmup_end)
+
+
+def test_campaign_chunks_start_during_the_warmups_last_scenario(cache, tmp_path):
+    """``run``'s search starts on the worker the warmup no longer needs: cases are counted
+    while the long warmup scenario still runs, before the warmup's summary line."""
+    import dataclasses
+    import time as _time
+
+    from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, worker_envs
+    from cli_helpers import RecordingDisplay
+
+    narrow = cli.narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
+                                  "no_sparse": True, "no_layer": True})
+    plan = prepare("triton", ["tiny"], "emulated", gpu=False, narrow=narrow)
+    short, long_ = sorted(plan.specs[0].scenarios, key=lambda sc: "long" in sc.name)
+    replay = next(st for st in long_.steps if st["op"] == "replay")
+    plan.specs[0].scenarios = [dataclasses.replace(long_, steps=long_.steps + [replay] * 30), short]
+    display = RecordingDisplay()
+    opts = CampaignOptions(graph="emulated", budget_s=None, examples=6, chunk=3, seed=3, corpus=tmp_path / "c",
+                           worker_envs=worker_envs(2, "emulated"), narrow=narrow, warmup=plan)
+    res = CampaignRun(opts, display).run()
+    assert res.error_kind is None and not res.findings and res.examples >= 6, (res.errors, res.findings)
+    assert res.warmup.ran == 2 and res.warmup.completed
+    end = next(t for t, text, _ in display.notes if "warmup: 2 scenario(s) in" in text)
+    during = [c for c, t in zip(display.counts, display.stamps) if t < end - 0.5]
+    assert any(cases > 0 for cases, _ in during), (display.counts, [n[1] for n in display.notes])
