@@ -88,7 +88,7 @@ class StepUnsupported(Exception):
         self.declared = declared
 
 
-def _environment_oom(exc: BaseException, where: str) -> None:
+def raise_if_environment_oom(exc: BaseException, where: str) -> None:
     """Raise ``DeviceOutOfMemory`` when ``exc`` is the GPU running out of memory and that is
     the environment's doing (``blame.OOM_IS_ENVIRONMENT``), not a finding."""
     oom = out_of_memory(exc)
@@ -148,7 +148,7 @@ class ScenarioRunner:
         try:
             return self._construct()
         except Exception as exc:
-            _environment_oom(exc, "building the backend")
+            raise_if_environment_oom(exc, "building the backend")
             raise self._finding(exc) from None
 
     def _construct(self):
@@ -373,7 +373,7 @@ class ScenarioRunner:
                 f.step = self.index
             raise
         except Exception as exc:
-            _environment_oom(exc, f"step {self.index} ({step['op']})")
+            raise_if_environment_oom(exc, f"step {self.index} ({step['op']})")
             raise self._finding(exc) from exc
         finally:
             self.index += 1

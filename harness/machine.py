@@ -17,9 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from mla_fuzz.mla_ref import Capabilities, ModelSpec
 
-from .blame import CudaContextLost, DeviceOutOfMemory, first_line, is_cuda_error, out_of_memory
+from .blame import CudaContextLost, first_line, is_cuda_error
 from .book import BOOK, BOOK_EXAMPLES, BOOK_EXTRA_STEPS, Opening
-from .executor import ScenarioRunner, StepUnsupported
+from .executor import ScenarioRunner, StepUnsupported, raise_if_environment_oom
 from .loading import supports_layer, supports_sparse
 from .oracles import OracleFailure, failure_key, take_closeness
 from .scenario import ScenarioConfig, add_note, scenario_coverage, spec_family, step_coverage
@@ -246,9 +246,8 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                 raise failure from None
             except Exception as e:
                 _lost_context(e, len(self.steps) - 1)
-                oom = out_of_memory(e)
-                if oom is not None:  # a harness allocation (the world's caches, a reference)
-                    raise DeviceOutOfMemory(f"step {len(self.steps) - 1}: {first_line(oom)}") from None
+                # a harness allocation (the world's caches, a reference) out of GPU memory
+                raise_if_environment_oom(e, f"step {len(self.steps) - 1}")
                 raise
 
         def _capture(self, data):

@@ -189,10 +189,8 @@ class _Rows:
             at = clock.now()
             clock.sights.setdefault(ev.task["id"], (at, ev.msg.get("examples_to_detect")))
             if self.on_sight is not None:
-                ref = ev.task["backend"]
-                name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
-                self.on_sight(row_label({"name": name, "spec": ev.task.get("spec")}, self.by_spec), at,
-                              ev.msg.get("examples_to_detect"))
+                label = row_label({"name": _name(ev.task["backend"]), "spec": ev.task.get("spec")}, self.by_spec)
+                self.on_sight(label, at, ev.msg.get("examples_to_detect"))
             return
         if ev.kind in ("step", "phase", "ready", "found") or ev.task is None:
             return
@@ -227,10 +225,10 @@ def _drive(pool, rows: _Rows) -> None:
 
 def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
     ref = ev.task["backend"]
-    name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
-    row = {"name": name, "backend": ref, "spec": ev.task.get("spec"), "caught": False, "examples": None, "examples_to_detect": None,
-           "seconds_to_detect": None, "seconds": None, "row_started_s": None, "search_seconds_to_detect": None,
-           "shrink_runs": None, "diagnosis": None, "oracle": None,
+    name = _name(ref)
+    row = {"name": name, "backend": ref, "spec": ev.task.get("spec"), "caught": False, "examples": None,
+           "examples_to_detect": None, "seconds_to_detect": None, "seconds": None, "row_started_s": None,
+           "search_seconds_to_detect": None, "shrink_runs": None, "diagnosis": None, "oracle": None,
            "expected": sorted(expected.get(name, ())), "matches": None, "repro": None, "error": None}
     repro = None
     if ev.kind == "done":
@@ -261,6 +259,11 @@ def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
 
 def _round(v):
     return None if v is None else round(float(v), 3)
+
+
+def _name(ref: str) -> str:
+    """A row's name: the mutant's for ``mutant:NAME``, else the reference itself."""
+    return ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
 
 
 def row_label(row: dict, by_spec: bool) -> str:

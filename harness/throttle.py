@@ -19,7 +19,6 @@ class OomThrottle:
     tasks waiting to run again after running out of memory."""
 
     cap: int | None = None
-    events: int = 0
     retry: list = field(default_factory=list)
 
     def allows(self, busy: int) -> bool:
@@ -29,7 +28,6 @@ class OomThrottle:
     def ran_out(self, task: dict, busy: int) -> str:
         """``task`` ran out of memory while ``busy`` tasks (itself included) were running: queue
         it again and halve the cap. Returns the line to show the user."""
-        self.events += 1
         before = busy if self.cap is None else min(self.cap, busy)
         self.cap = max(1, before // 2)
         self.retry.append(dict(task, oom_retries=int(task.get("oom_retries", 0)) + 1))
@@ -50,8 +48,6 @@ class OomThrottle:
 def _what(task: dict) -> str:
     if task.get("op") == "fuzz" and task.get("chunk") is not None:
         return f"chunk {task['chunk']} (seed {task.get('seed')})"
-    ref = str(task.get("backend", ""))
-    name = ref.split(":", 1)[1] if ref.startswith("mutant:") else ref
     if task.get("op") == "warmup":
         return f"warmup scenario '{task.get('name')}'"
-    return f"row {name}" if name else f"task {task.get('id')}"
+    return f"row {task['backend']}" if task.get("backend") else f"task {task.get('id')}"

@@ -278,8 +278,9 @@ def main(argv=None) -> int:
         except Exception as exc:
             if is_cuda_error(f"{type(exc).__name__}: {exc}"):
                 _lost(f"{type(exc).__name__}: {exc}")
-            if blame.out_of_memory(exc) is not None:
-                oom = blame.first_line(blame.out_of_memory(exc))
+            found = blame.out_of_memory(exc)
+            if found is not None:
+                oom = blame.first_line(found)
             else:
                 kind = "input" if isinstance(exc, ValueError) else "internal"
                 send({"t": "error", "task": task.get("id"), "kind": kind, "error": f"{type(exc).__name__}: {exc}",

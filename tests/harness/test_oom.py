@@ -47,6 +47,9 @@ def test_throttle_halves_the_cap_and_runs_the_last_retry_alone():
     assert t.next_retry(1) is None
     first = t.next_retry(0)
     assert first["id"] == "c3" and first["alone"] is True and first["oom_retries"] == 2
+    # a matrix row and a warmup scenario are named for what they are
+    assert "row mutant:nan-zero-len ran out" in t.ran_out({"op": "fuzz", "id": "m1", "backend": "mutant:nan-zero-len"}, 1)
+    assert "warmup scenario 'tiny: short'" in t.ran_out({"op": "warmup", "id": "w-0", "name": "tiny: short"}, 1)
 
 
 def test_a_step_out_of_memory_is_the_environment_unless_alone(monkeypatch):
