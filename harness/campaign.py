@@ -182,6 +182,7 @@ class CampaignResult:
     findings: dict = field(default_factory=dict)      # signature -> Finding
     failures: Counter = field(default_factory=Counter)  # diagnosis class -> occurrences
     restarts: int = 0
+    launcher: str | None = None                       # how the workers started (``Pool.launcher``)
     interrupted: bool = False
     errors: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
@@ -236,6 +237,7 @@ class CampaignResult:
             "diagnose_s": round(self.diagnose_s, 3), "setup_s": round(self.setup_s, 3),
             "startup_s": None if self.startup_s is None else round(self.startup_s, 3),
             "cases_per_s": round(self.rate, 3), "chunks": self.chunks, "restarts": self.restarts,
+            "workers_started": self.launcher,
             "interrupted": self.interrupted, "coverage": self.coverage,
             "capabilities": self.capabilities, "narrow": o.narrow, "max_seq_len": o.max_seq_len,
             "unsupported": dict(self.unsupported),
@@ -374,6 +376,7 @@ class CampaignRun:
             self.result.started = opts.started_at
         try:
             pool.start()
+            self.result.launcher = pool.launcher
             self.result.state = "starting workers"
             if opts.warmup is not None:
                 self._warmup(pool)
@@ -675,7 +678,7 @@ class CampaignRun:
         if ev.kind == "found":
             self._sighted(tid, ev.msg)
             return
-        if ev.kind == "error" and ev.msg.get("kind") == "oom":
+        if self._throttle.retries(ev):
             # Not a finding: the chunk runs again with fewer tasks beside it, and counts its
             # cases then (same seed, same cases). A failure it had sighted keeps its unshrunk
             # finding and the chunk's sight, so the rerun (told every known failure but that

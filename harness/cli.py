@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-from . import narrowing
 from .atomic import write_text_atomic
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -143,6 +142,7 @@ def _build_parser() -> _Parser:
     target.add_argument("--spec", default=None, choices=SPEC_CHOICES, help=SPEC_HELP)
     scope = run.add_argument_group("scope", "narrow what is drawn below what the backend declares "
                                    "(its `capabilities`; docs/backends.md#capabilities)")
+    from . import narrowing  # (imports torch: after main() has started the workers' zygote)
     narrowing.add_arguments(scope)
     scope.add_argument("--max-seq-len", default=None, metavar="N", help=MAX_SEQ_LEN_HELP)
     scope.add_argument("--strict-contiguity", action="store_true",
@@ -309,6 +309,28 @@ def _use_interpreter_here(mode: str) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _gpu_present() -> bool:
+    """Whether an NVIDIA GPU is visible, without importing torch (its driver's device nodes)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    try:
+        if os.listdir("/proc/driver/nvidia/gpus"):
+            return True
+    except OSError:
+        pass
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+
+
+def _expected_worker_env(graph: str) -> dict:
+    """The import environment the command's workers will most likely have (``worker_envs``:
+    the interpreter for CPU modes), guessed before torch is imported, for ``zygote.prestart``;
+    a wrong guess costs only the head start (the pool then starts the zygote it needs)."""
+    env = dict(os.environ)
+    if graph == "emulated" or not _gpu_present():
+        env["TRITON_INTERPRET"] = env.get("TRITON_INTERPRET") or "1"
+    return env
+
+
 def _resolve_mode(graph: str) -> str:
     """``auto`` -> ``cuda`` with a GPU, else ``emulated`` (as ``harness.graphs.make_runner``).
 
@@ -367,6 +389,7 @@ def _check_writable_file(flag: str, path: str) -> None:
 
 def _narrow(args) -> dict:
     try:
+        from . import narrowing
         return narrowing.parse(vars(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -833,12 +856,35 @@ COMMANDS = {"run": cmd_run, "replay": cmd_replay, "merge": cmd_merge, "mutants":
             "bench": cmd_bench, "warmup": cmd_warmup}
 
 
+#: commands that run their work in worker processes (``harness.pool``)
+_POOL_COMMANDS = ("run", "mutants", "warmup", "replay")
+
+
+def _prestart_workers(argv: list[str]) -> None:
+    """For a command that will start workers, start their zygote (``harness.zygote``) before
+    this process imports torch (building the parser does), so the workers' imports overlap
+    the command's own. Reads only the command name and ``--graph`` from ``argv``: the parser
+    still judges them (a bad command line costs a zygote that exits with this process)."""
+    words = [a for a in argv if not a.startswith("-")]
+    if not words or words[0] not in _POOL_COMMANDS or any(a in ("-h", "--help") for a in argv):
+        return
+    graph = "auto"
+    for i, a in enumerate(argv):
+        if a == "--graph" and i + 1 < len(argv):
+            graph = argv[i + 1]
+        elif a.startswith("--graph="):
+            graph = a.split("=", 1)[1]
+    from .zygote import prestart
+    prestart(_expected_worker_env(graph))
+
+
 def main(argv=None) -> int:
     """Entry point of the ``mla-fuzz`` console script; returns the exit status."""
     global _COMMAND_START
     # the console script / ``python -m`` (no argv): the user started the command when this
     # process started; an in-process call starts it now
     _COMMAND_START = process_start() if argv is None else time.time()
+    _prestart_workers(sys.argv[1:] if argv is None else list(argv))
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)

@@ -88,6 +88,11 @@ class StepUnsupported(Exception):
         self.declared = declared
 
 
+def _is_oom(e: BaseException) -> bool:
+    import torch
+    return isinstance(e, torch.OutOfMemoryError)
+
+
 def raise_if_environment_oom(exc: BaseException, where: str) -> None:
     """Raise ``DeviceOutOfMemory`` when ``exc`` is the GPU running out of memory and that is
     the environment's doing (``blame.OOM_IS_ENVIRONMENT``), not a finding."""
@@ -394,6 +399,11 @@ class ScenarioRunner:
                                   "traceback": "".join(traceback.format_exception(type(oob), oob, oob.__traceback__,
                                                                                   limit=-12))})
         if v.kind == "internal":
+            oom = next((e for e in chain(exc) if _is_oom(e)), None)
+            if oom is not None:
+                # the harness's own tensors (reference, pools) did not fit: never the backend's
+                # finding nor a harness bug, whoever else holds the GPU
+                raise DeviceOutOfMemory(f"step {self.index}: mla-fuzz's own allocation: {first_line(oom)}") from None
             raise InternalError(f"mla-fuzz itself failed ({v.reason}); please report it with this traceback") from exc
         where = f" (at {v.site})" if v.site else ""
         tb = "".join(traceback.format_exception(type(v.origin), v.origin, v.origin.__traceback__, limit=-12))

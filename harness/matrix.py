@@ -82,6 +82,8 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
     with tempfile.TemporaryDirectory(prefix="mla-fuzz-matrix-") as logs:
         pool = Pool(worker_envs[: max(1, min(len(worker_envs), len(tasks)))], logs, case_timeout=case_timeout)
         pool.start()
+        if on_note is not None and pool.launcher:
+            on_note(f"workers: {pool.launcher}")
         try:
             driver = _Rows(pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock,
                            on_note)
@@ -177,7 +179,7 @@ class _Rows:
         if ev.kind == "fatal":
             raise RuntimeError(f"worker could not start: {ev.msg.get('error')}\n"
                                + "\n".join(ev.msg.get("log_tail") or []))
-        if ev.kind == "error" and ev.msg.get("kind") == "oom" and ev.task is not None:
+        if self.throttle.retries(ev):
             # not the row's finding: it runs again with fewer rows beside it (a failure it
             # had already sighted keeps that first sight)
             line = self.throttle.ran_out(ev.task, pool.running + 1)

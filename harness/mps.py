@@ -32,6 +32,8 @@ import subprocess
 import tempfile
 import time
 
+from .procs import pid_alive
+
 CONTROL = "nvidia-cuda-mps-control"
 #: points at the control binary when it is not on PATH (also used by the tests' fake)
 CONTROL_ENV = "MLA_FUZZ_MPS_CONTROL"
@@ -56,16 +58,6 @@ def find_control() -> str | None:
         if os.access(p, os.X_OK):
             return p
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class MpsDaemon:
@@ -134,7 +126,7 @@ class MpsDaemon:
             self._run([], stdin="quit\n")
             deadline = time.monotonic() + self.timeout_s
             while pids and time.monotonic() < deadline:
-                pids = [p for p in pids if _alive(p)]
+                pids = [p for p in pids if pid_alive(p)]
                 if pids:
                     time.sleep(0.05)
         except (OSError, subprocess.TimeoutExpired):

@@ -1,8 +1,10 @@
 """Worker processes for a campaign: start, feed, watch, restart.
 
-Each worker is ``python -m mla_fuzz.harness.worker`` (see there for the protocol) started with
-``subprocess`` -- never ``fork`` -- in its own session, with its own environment: one GPU
-each via ``CUDA_VISIBLE_DEVICES``, set before the child imports torch. Because it has its
+Each worker runs ``mla_fuzz.harness.worker`` (see there for the protocol) in its own session,
+with its own environment: one GPU each via ``CUDA_VISIBLE_DEVICES``, set before its first CUDA
+call. It is forked by the process's zygote (``harness.zygote``: torch and friends imported
+once, CUDA never touched), or, when that is off or cannot start, started fresh with
+``subprocess`` (``Pool.launcher`` says which, and why). Because it has its
 own session, the terminal's Ctrl-C reaches only the parent, which then stops the workers
 in an orderly way. A reader thread per worker turns its message pipe into events on one
 queue.
@@ -105,6 +107,8 @@ class Pool:
         self.workers = [Worker(i, e, self.log_dir / f"worker-{i}.log") for i, e in enumerate(envs)]
         self.restarts = 0
         self._closed = False
+        #: how the workers were started (forked from the zygote, or fresh processes and why)
+        self.launcher: str | None = None
 
     # -- processes -----------------------------------------------------------------------
     def start(self) -> None:
@@ -127,15 +131,35 @@ class Pool:
             env = dict(os.environ)
             env.update(w.env)
             env["PYTHONUNBUFFERED"] = "1"
+            env["MLA_FUZZ_OWNER_PID"] = str(os.getpid())
             try:
-                w.proc = subprocess.Popen(
-                    [self.python, "-m", "mla_fuzz.harness.worker", "--fd", str(wfd)], stdin=subprocess.PIPE,
-                    stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(wfd,), start_new_session=True)
+                w.proc = self._fork(env, log.fileno(), wfd)
+                if w.proc is None:
+                    w.proc = subprocess.Popen(
+                        [self.python, "-m", "mla_fuzz.harness.worker", "--fd", str(wfd)], stdin=subprocess.PIPE,
+                        stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(wfd,), start_new_session=True)
             finally:
                 os.close(wfd)
         t = threading.Thread(target=self._read, args=(w, w.gen, rfd), daemon=True,
                              name=f"mla-fuzz-worker-{w.slot}")
         t.start()
+
+    def _fork(self, env: dict, log_fd: int, msg_fd: int):
+        """The worker forked from this process's zygote (``harness.zygote``), or None to start a
+        fresh process: the zygote is off, cannot start, or runs another Python."""
+        from . import zygote
+        if self.python != sys.executable or not zygote.enabled():
+            if self.launcher is None:
+                self.launcher = "fresh processes" + ("" if zygote.enabled() else " (MLA_FUZZ_ZYGOTE=0)")
+            return None
+        z = zygote.for_env(env)
+        proc = z.spawn(["--fd", "{fd}"], env, log_fd, msg_fd, STARTUP_TIMEOUT_S) if z is not None else None
+        if proc is None:
+            why = z.reason if z is not None else "it is off"
+            self.launcher = f"fresh processes: the preloaded parent process could not fork them ({why})"
+        elif self.launcher is None:
+            self.launcher = zygote.describe(z)
+        return proc
 
     def _read(self, w: Worker, gen: int, rfd: int) -> None:
         with os.fdopen(rfd, "rb") as fh:
@@ -317,5 +341,7 @@ def _signal_name(rc: int | None) -> str | None:
 
 def exit_text(rc: int | None) -> str:
     """``killed by SIGABRT`` / ``exit code 3``: how a worker process ended, for messages."""
+    if rc is None:  # a forked worker whose zygote ended before it did
+        return "exit status unknown"
     sig = _signal_name(rc)
     return f"killed by {sig}" if sig else f"exit code {rc}"

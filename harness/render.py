@@ -177,6 +177,8 @@ def summary_lines(result) -> list[str]:
              f"{result.workers} worker(s), {budget}{lim}" + (" -- INTERRUPTED" if result.interrupted else ""),
              f"  {result.elapsed:.1f}s, {result.examples} cases ({result.rate:.2f}/s), {result.steps} steps, "
              f"{result.chunks} chunks, {result.restarts} worker restart(s)"]
+    if getattr(result, "launcher", None):
+        lines.append(f"  workers: {result.launcher}")
     if shrink_line(result):
         lines.append(shrink_line(result))
     if getattr(result, "oom_retries", 0):

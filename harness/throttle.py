@@ -6,7 +6,8 @@ about its neighbours than about the backend, so the task is not a finding: it go
 the queue and the parent lets fewer tasks run at once (half of those running when it
 happened). Once only one may run, the retried task runs alone and is marked so (``alone``):
 the worker then reports an out-of-memory error as the backend's own (its file and line),
-because nothing else holds the GPU.
+because nothing else holds the GPU. A task that runs out of memory alone all the same (the
+harness's own tensors did not fit) is not run again: its caller reports the error.
 """
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class OomThrottle:
     def allows(self, busy: int) -> bool:
         """Whether one more task may start while ``busy`` tasks run."""
         return self.cap is None or busy < self.cap
+
+    @staticmethod
+    def retries(event) -> bool:
+        """Whether the pool event ``event`` is an out-of-memory error to run again (a task that
+        ran alone is not: running it again would change nothing)."""
+        return (event.kind == "error" and event.msg.get("kind") == "oom" and event.task is not None
+                and not event.task.get("alone"))
 
     def ran_out(self, task: dict, busy: int) -> str:
         """``task`` ran out of memory while ``busy`` tasks (itself included) were running: queue

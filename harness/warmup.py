@@ -535,7 +535,7 @@ def run_warmup(plan: WarmupPlan, pool, *, note=None, on_tick=None, stop=None, ki
                          f"it and reports it properly)")
                 elif status == "unsupported":
                     out.unsupported += 1
-            elif ev.kind == "error" and ev.msg.get("kind") == "oom" and not killed:
+            elif throttle.retries(ev) and not killed:
                 line = throttle.ran_out(task, pool.running + 1)
                 if note is not None:
                     note(f"notice: warmup: {line}")

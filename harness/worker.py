@@ -1,8 +1,10 @@
 """The worker process of a campaign: runs fuzz chunks and step lists for its parent.
 
-Started by ``harness.pool`` as ``python -m mla_fuzz.harness.worker --fd N`` with its environment
-(``CUDA_VISIBLE_DEVICES``, ``TRITON_INTERPRET``, thread counts) already set, so the
-choice of GPU is made before torch or CUDA is imported here.
+Started by ``harness.pool`` as ``python -m mla_fuzz.harness.worker --fd N``, or forked by the
+zygote (``harness.zygote``) that calls ``main(["--fd", N])``, with its environment
+(``CUDA_VISIBLE_DEVICES``, ``TRITON_INTERPRET``, thread counts) already set, so the choice of
+GPU is made before CUDA is first used here. After every task it gives torch's cached GPU
+memory back, so that an idle worker holds none of what its neighbours need.
 
 Protocol: tasks arrive as JSON lines on stdin; messages go as JSON lines to file
 descriptor ``N`` -- not stdout, which a backend may print to (stdout and stderr are the
@@ -45,9 +47,14 @@ import sys
 import time
 import traceback
 
+from .procs import pid_alive
+
 _FD = -1
 _STOP = False
 _PARENT = os.getppid()
+# the command that owns this worker: the parent, unless the worker was forked by the pool's
+# zygote (``harness.zygote``), whose parent the command is
+_OWNER = int(os.environ.get("MLA_FUZZ_OWNER_PID") or 0)
 
 
 def send(msg: dict) -> None:
@@ -76,7 +83,7 @@ def _free_device_memory() -> None:
 
     import torch
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 
@@ -90,8 +97,9 @@ def _lost(message: str) -> None:
 
 
 def _check_parent() -> None:
-    # An orphaned worker (parent killed with -9) must not keep a GPU busy.
-    if os.getppid() != _PARENT:
+    # An orphaned worker (its command killed with -9) must not keep a GPU busy.
+    gone = not pid_alive(_OWNER) if _OWNER else os.getppid() != _PARENT
+    if gone:
         os._exit(0)
 
 
@@ -285,10 +293,10 @@ def main(argv=None) -> int:
                 kind = "input" if isinstance(exc, ValueError) else "internal"
                 send({"t": "error", "task": task.get("id"), "kind": kind, "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc()})
+        # the task's tensors are garbage once its frames are gone: hand the memory torch keeps
+        # cached back to the GPU, so that an idle worker holds none of what others need
+        _free_device_memory()
         if oom is not None:
-            # the task's tensors are garbage once its frames are gone: hand them back to the
-            # GPU before the parent gives this worker anything else
-            _free_device_memory()
             send({"t": "error", "task": task.get("id"), "kind": "oom", "error": f"out of GPU memory: {oom}"})
         sys.stdout.flush()
         sys.stderr.flush()

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from mla_fuzz.harness.procs import pid_alive
 from mla_fuzz.harness.repro import load_repro
 
 TESTS = str(Path(__file__).resolve().parent.parent)
@@ -40,19 +41,16 @@ def _wait_for_repro(corpus: Path, proc: subprocess.Popen, timeout: float = 150.0
     raise AssertionError(f"no repro within {timeout}s: {proc.communicate()}")
 
 
-def _children(pid: int) -> list[int]:
+def _descendants(pid: int) -> list[int]:
+    """Children, their children, ...: the workers may be the children of the command's zygote."""
     out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(x) for x in (task / "children").read_text().split()]
-    return out
-
-
-def _alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited; only its parent (init here) has to reap it
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (int(x) for x in (task / "children").read_text().split()):
+                out += [child] + _descendants(child)
+    except OSError:  # it ended while we looked
+        pass
+    return out
 
 
 def test_kill9_leaves_complete_repros_and_no_orphans(tmp_path):
@@ -64,8 +62,8 @@ def test_kill9_leaves_complete_repros_and_no_orphans(tmp_path):
     try:
         _wait_for_repro(corpus, proc)
         time.sleep(1.0)
-        workers = _children(proc.pid)
-        assert workers, "the campaign runs its cases in worker processes"
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2, "the campaign runs its cases in worker processes"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -77,9 +75,9 @@ def test_kill9_leaves_complete_repros_and_no_orphans(tmp_path):
         data = load_repro(p)  # raises on a truncated or malformed file
         assert data["diagnosis"]["cls"] == "crash"
     deadline = time.monotonic() + 60
-    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+    while any(pid_alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(w) for w in workers), "workers outlived their killed parent"
+    assert not any(pid_alive(w) for w in workers), "workers outlived their killed parent"
 
 
 def test_sigint_writes_report_and_keeps_repros(tmp_path):

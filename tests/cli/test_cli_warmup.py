@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mla_fuzz.harness import cli
+from mla_fuzz.harness import cli, narrowing
 from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, chunk_seed, chunk_spec
 from mla_fuzz.harness.fuzz import default_max_seq_len
 from mla_fuzz.harness.loading import load_backend
@@ -82,7 +82,7 @@ def test_deepseek_plan_and_narrowing():
     assert {c["page_size"] for c in cfgs} == {64} and {c["next_n"] for c in cfgs} == {1, 4}
     assert max(c["max_pages_per_seq"] * 64 for c in cfgs) == default_max_seq_len("deepseek-v3", "cuda")
     # the user's narrowing and --max-seq-len shape the list (and so the marker's key)
-    narrow = cli.narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
+    narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
                                   "no_sparse": True, "no_layer": True})
     small = plan_scenarios(cls, "tiny", "cpu", narrow, max_seq_len=100)
     assert len(small) == 2 and {s.config["max_pages_per_seq"] * 16 for s in small} == {32, 96}
@@ -268,7 +268,7 @@ def test_mutants_matrix_runs_the_warmup_on_its_workers_first(cache):
     from mla_fuzz.harness.campaign import worker_envs
     from mla_fuzz.harness.matrix import matrix_json, run_matrix
 
-    narrow = cli.narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
+    narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
                                   "no_sparse": True, "no_layer": True})
     plan = prepare("triton", ["tiny"], "emulated", gpu=False, narrow=narrow)
     got, notes = [], []
@@ -292,7 +292,7 @@ def test_matrix_rows_start_during_the_warmups_last_scenarios(cache):
     from mla_fuzz.harness.campaign import worker_envs
     from mla_fuzz.harness.matrix import run_matrix
 
-    narrow = cli.narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
+    narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
                                   "no_sparse": True, "no_layer": True})
     plan = prepare("triton", ["tiny"], "emulated", gpu=False, narrow=narrow)
     short, long_ = sorted(plan.specs[0].scenarios, key=lambda sc: "long" in sc.name)
@@ -320,7 +320,7 @@ def test_campaign_chunks_start_during_the_warmups_last_scenario(cache, tmp_path)
     from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, worker_envs
     from cli_helpers import RecordingDisplay
 
-    narrow = cli.narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
+    narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
                                   "no_sparse": True, "no_layer": True})
     plan = prepare("triton", ["tiny"], "emulated", gpu=False, narrow=narrow)
     short, long_ = sorted(plan.specs[0].scenarios, key=lambda sc: "long" in sc.name)

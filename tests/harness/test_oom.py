@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import contract_fakes
 from mla_fuzz.harness import blame
@@ -137,3 +138,25 @@ def test_in_process_an_out_of_memory_error_is_the_backends():
                   shrink_seconds=10)
     assert report.failed and report.repro["diagnosis"]["cls"] == "backend-error"
     assert f"contract_fakes.py:{_oom_line()}" in report.repro["failure"]["message"]
+
+
+def test_the_harness_running_out_of_memory_is_never_a_finding_nor_a_harness_bug(monkeypatch):
+    """The harness's own tensors (reference, KV pools) not fitting says nothing about the
+    backend: an environment error even when the task has the GPU to itself, never
+    ``backend-error`` and never "mla-fuzz itself failed"."""
+    from mla_fuzz.harness import world
+
+    def full(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 448.00 MiB.")
+    monkeypatch.setattr(world.World, "reset_cache", full)
+    assert blame.OOM_IS_ENVIRONMENT is False
+    with pytest.raises(DeviceOutOfMemory, match=r"step 0: mla-fuzz's own allocation: OutOfMemoryError"):
+        run_steps(load_backend("contract_fakes:OpBackend"), ScenarioConfig(**_CFG), _STEPS, "emulated")
+
+
+def test_an_out_of_memory_error_of_a_task_that_ran_alone_is_not_run_again():
+    from mla_fuzz.harness.pool import Event
+    msg = {"t": "error", "kind": "oom", "error": "out of GPU memory: step 0: ..."}
+    assert OomThrottle.retries(Event("error", 0, {"id": "m1", "op": "fuzz"}, msg))
+    assert not OomThrottle.retries(Event("error", 0, {"id": "m1", "op": "fuzz", "alone": True}, msg))
+    assert not OomThrottle.retries(Event("error", 0, {"id": "m1", "op": "fuzz"}, {**msg, "kind": "internal"}))

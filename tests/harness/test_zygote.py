@@ -1,0 +1,99 @@
+"""Workers forked from one preloaded process (``harness.zygote``): they start, die and restart
+as fresh processes did, only a zygote whose imports match the workers' serves them, and a
+zygote that cannot start makes the pool start fresh processes and say why."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from mla_fuzz.harness import zygote
+from mla_fuzz.harness.campaign import worker_envs
+from mla_fuzz.harness.pool import Pool
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
+def _until(pool: Pool, pred, timeout: float = 120.0) -> list:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while not pred(seen):
+        assert time.monotonic() < deadline, f"timed out; events so far: {[(e.kind, e.msg) for e in seen]}"
+        seen += pool.poll(0.2)
+    return seen
+
+
+def _ready(n: int):
+    return lambda seen: sum(e.kind == "ready" for e in seen) >= n or any(e.kind == "fatal" for e in seen)
+
+
+def test_import_key_keeps_what_the_imports_read_and_drops_what_workers_set_later():
+    base = {"PATH": "/bin", "HOME": "/root", "PYTEST_CURRENT_TEST": "a", "TRITON_CACHE_DIR": "/c"}
+    one = {**base, "CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "1", "MLA_FUZZ_TORCH_THREADS": "1"}
+    other = {**base, "CUDA_VISIBLE_DEVICES": "1", "OMP_NUM_THREADS": "4", "PYTEST_CURRENT_TEST": "b"}
+    assert zygote.import_key(one) == zygote.import_key(other) == (("TRITON_CACHE_DIR", "/c"),)
+    # Triton decorates its own library's kernels when imported: interpreted or not is fixed then
+    assert zygote.import_key({**one, "TRITON_INTERPRET": "1"}) != zygote.import_key(one)
+    assert zygote.import_key({**one, "PYTHONPATH": "/x"}) != zygote.import_key(one)
+
+
+@pytest.mark.skipif(not zygote.enabled(), reason="MLA_FUZZ_ZYGOTE=0")
+def test_pool_workers_are_forked_by_the_zygote_and_restarted_after_a_kill(tmp_path):
+    pool = Pool(worker_envs(2, "emulated", device_count=0, cpu_count=2), tmp_path)
+    pool.start()
+    try:
+        seen = _until(pool, _ready(2))
+        assert [e.kind for e in seen].count("ready") == 2, [(e.kind, e.msg) for e in seen]
+        assert pool.launcher.startswith("forked from one process"), pool.launcher
+        zygote_pids = {z.proc.pid for z in zygote._ZYGOTES.values()}
+        pids = [w.proc.pid for w in pool.workers]
+        assert all(_ppid(p) in zygote_pids for p in pids), (pids, zygote_pids)
+        os.kill(pids[0], signal.SIGKILL)
+        _until(pool, lambda seen: pool.restarts == 1 and pool.workers[0].ready)
+        assert pool.workers[0].proc.pid not in pids and _ppid(pool.workers[0].proc.pid) in zygote_pids
+        assert pool.workers[1].proc.pid == pids[1] and pool.workers[1].ready
+    finally:
+        pool.close(kill=True)
+    assert all(w.proc.poll() is not None for w in pool.workers)
+
+
+def test_with_the_zygote_off_workers_are_fresh_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLA_FUZZ_ZYGOTE", "0")
+    pool = Pool(worker_envs(1, "emulated", device_count=0, cpu_count=2), tmp_path)
+    pool.start()
+    try:
+        _until(pool, _ready(1))
+        assert pool.launcher == "fresh processes (MLA_FUZZ_ZYGOTE=0)"
+        assert _ppid(pool.workers[0].proc.pid) == os.getpid()
+    finally:
+        pool.close(kill=True)
+
+
+@pytest.mark.skipif(not zygote.enabled(), reason="MLA_FUZZ_ZYGOTE=0")
+def test_a_zygote_whose_imports_fail_leaves_fresh_workers_and_says_why(tmp_path, monkeypatch):
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('no torch in this test')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    broken = zygote.Zygote(env, sys.executable)
+    try:
+        assert broken.ready.wait(60)
+        assert broken.spawn(["--fd", "{fd}"], env, 1, 2, 10.0) is None
+        assert "its imports failed" in broken.reason and "no torch in this test" in broken.reason
+        monkeypatch.setattr(zygote, "for_env", lambda env, python=None: broken)
+        pool = Pool(worker_envs(1, "emulated", device_count=0, cpu_count=2), tmp_path / "logs")
+        pool.start()
+        try:
+            seen = _until(pool, _ready(1))
+            assert [e.kind for e in seen] == ["ready"]
+            assert pool.launcher.startswith("fresh processes: ") and "no torch in this test" in pool.launcher
+            assert _ppid(pool.workers[0].proc.pid) == os.getpid()
+        finally:
+            pool.close(kill=True)
+    finally:
+        broken.close()
