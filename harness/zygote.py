@@ -38,7 +38,7 @@ from .procs import pid_alive
 
 #: what every worker imports before its first example (the order matters only for timing)
 PRELOAD = ("torch", "torch._dynamo", "triton", "numpy", "hypothesis")
-_RECORD = 65536
+_RECORD = 1 << 20  # one request: its environment travels whole
 
 
 def _preload() -> float:
