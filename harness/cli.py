@@ -868,6 +868,8 @@ def _prestart_workers(argv: list[str]) -> None:
     words = [a for a in argv if not a.startswith("-")]
     if not words or words[0] not in _POOL_COMMANDS or any(a in ("-h", "--help") for a in argv):
         return
+    if words[0] == "replay" and "--isolate" not in argv:
+        return  # replays run in this process unless a repro is a crash or hang (then: no head start)
     graph = "auto"
     for i, a in enumerate(argv):
         if a == "--graph" and i + 1 < len(argv):

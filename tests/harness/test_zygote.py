@@ -97,3 +97,21 @@ def test_a_zygote_whose_imports_fail_leaves_fresh_workers_and_says_why(tmp_path,
             pool.close(kill=True)
     finally:
         broken.close()
+
+
+def test_commands_that_start_workers_start_the_zygote_first_with_the_workers_import_env(monkeypatch):
+    from mla_fuzz.harness import cli
+
+    started = []
+    monkeypatch.setattr(zygote, "prestart", lambda env: started.append(env))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cli._prestart_workers(["run", "--graph", "emulated", "--budget", "5s"])
+    assert len(started) == 1 and started[0]["TRITON_INTERPRET"] == "1"  # what worker_envs gives CPU workers
+    pool_env = dict(os.environ) | worker_envs(2, "emulated", device_count=0)[0]  # as Pool builds it
+    assert zygote.import_key(started[0]) == zygote.import_key(pool_env)
+    for argv in (["merge", "a.json"], ["replay", "r.json"], ["run", "--help"], [], ["--version"]):
+        cli._prestart_workers(argv)
+    assert len(started) == 1, started
+    cli._prestart_workers(["replay", "--isolate", "r.json"])
+    cli._prestart_workers(["mutants", "--graph=emulated"])
+    assert len(started) == 3
