@@ -115,3 +115,30 @@ def test_commands_that_start_workers_start_the_zygote_first_with_the_workers_imp
     cli._prestart_workers(["replay", "--isolate", "r.json"])
     cli._prestart_workers(["mutants", "--graph=emulated"])
     assert len(started) == 3
+
+
+@pytest.mark.skipif(not zygote.enabled(), reason="MLA_FUZZ_ZYGOTE=0")
+def test_workers_outlive_a_killed_zygote_and_the_pool_then_starts_fresh_ones(tmp_path, monkeypatch):
+    from mla_fuzz.harness.procs import pid_alive
+
+    monkeypatch.setenv("TRITON_MLA_FUZZ_TEST", "a zygote of its own")  # not the one other tests share
+    envs = worker_envs(1, "emulated", device_count=0, cpu_count=2)
+    key = zygote.import_key(dict(os.environ) | envs[0])
+    pool = Pool(envs, tmp_path)
+    pool.start()
+    try:
+        _until(pool, _ready(1))
+        first = pool.workers[0].proc.pid
+        os.kill(zygote._ZYGOTES[key].proc.pid, signal.SIGKILL)  # the OOM killer's choice, say
+        deadline = time.monotonic() + 30
+        while not zygote._ZYGOTES[key].dead:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert pid_alive(first), "a worker belongs to the command, not to the zygote"
+        os.kill(first, signal.SIGKILL)
+        _until(pool, lambda seen: pool.restarts == 1 and pool.workers[0].ready)
+        assert _ppid(pool.workers[0].proc.pid) == os.getpid()
+        assert pool.launcher.startswith("fresh processes: ") and "it ended" in pool.launcher, pool.launcher
+    finally:
+        pool.close(kill=True)
+        zygote._ZYGOTES.pop(key, None)
