@@ -60,17 +60,20 @@ _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAIL
                   r"out of memory \(cudaErrorMemoryAllocation\)", re.IGNORECASE)
 
 
-def out_of_memory(exc: BaseException) -> BaseException | None:
+def find_oom(exc: BaseException) -> BaseException | None:
     """The GPU out-of-memory error in ``exc``'s cause/context chain (``torch.OutOfMemoryError``
-    or a message saying so, as a capture's wrapper or a Triton launch words it); None when
-    there is none or ``OOM_IS_ENVIRONMENT`` is off."""
-    if not OOM_IS_ENVIRONMENT:
-        return None
+    or a message saying so, as a capture's wrapper or a Triton launch words it), or None."""
     import torch
     for e in chain(exc):
         if isinstance(e, torch.OutOfMemoryError) or _OOM.search(f"{type(e).__name__}: {e}"):
             return e
     return None
+
+
+def out_of_memory(exc: BaseException) -> BaseException | None:
+    """``find_oom(exc)`` when an out-of-memory error is the environment's doing
+    (``OOM_IS_ENVIRONMENT``); None otherwise."""
+    return find_oom(exc) if OOM_IS_ENVIRONMENT else None
 
 
 def is_cuda_error(text: str | None) -> bool:

@@ -32,8 +32,8 @@ from mla_fuzz.mla_ref import DecodeBatch
 
 from . import memory_guard
 from .audit import OpAudit, OpLog, tensor_fields
-from .blame import (CUSTOM_OP_DOC, DeviceOutOfMemory, InternalError, call_backend, defined_at, first_line, judge,
-                    out_of_memory)
+from .blame import (CUSTOM_OP_DOC, DeviceOutOfMemory, InternalError, call_backend, defined_at, find_oom, first_line,
+                    judge, out_of_memory)
 from .graphs import make_runner
 from .loading import make_backend
 from .oracles import (ORACLES, OracleFailure, check_contract, check_layer, check_out_lse, compare_bitwise,
@@ -86,11 +86,6 @@ class StepUnsupported(Exception):
         self.reason = reason
         self.site = site
         self.declared = declared
-
-
-def _is_oom(e: BaseException) -> bool:
-    import torch
-    return isinstance(e, torch.OutOfMemoryError)
 
 
 def raise_if_environment_oom(exc: BaseException, where: str) -> None:
@@ -399,7 +394,7 @@ class ScenarioRunner:
                                   "traceback": "".join(traceback.format_exception(type(oob), oob, oob.__traceback__,
                                                                                   limit=-12))})
         if v.kind == "internal":
-            oom = next((e for e in chain(exc) if _is_oom(e)), None)
+            oom = find_oom(exc)
             if oom is not None:
                 # the harness's own tensors (reference, pools) did not fit: never the backend's
                 # finding nor a harness bug, whoever else holds the GPU

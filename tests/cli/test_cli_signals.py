@@ -63,7 +63,7 @@ def test_kill9_leaves_complete_repros_and_no_orphans(tmp_path):
         _wait_for_repro(corpus, proc)
         time.sleep(1.0)
         workers = _descendants(proc.pid)
-        assert len(workers) >= 2, "the campaign runs its cases in worker processes"
+        assert workers, "the campaign runs its cases in worker processes"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
