@@ -8,6 +8,12 @@ subclass of our backend or of an example backend with one bug put back, each by 
 none of the mutants in ``ALL`` uses. Do not add them to ``ALL`` / ``EXPECTED``: the mutation
 matrix (and so the tuning) must not see them.
 
+The last four (``example-pool-keyed-kv-view``, ``mtp-repeat-interleave``,
+``indexer-batch-q-scale``, ``pad-slots-capture-build``) were written later, the same way and
+still unseen by the search: one each on a multi-layer step, an MTP capture, the sparse path's
+device indexer and the layer path's cache write, by mechanisms none of the mutants before them
+uses.
+
 ``HELDOUT`` maps name -> backend class; ``HELDOUT_EXPECTED`` maps name -> diagnosis classes
 that are a correct explanation of that bug.
 """
@@ -20,6 +26,7 @@ import torch
 
 from mla_fuzz.examples.triton_decode import TritonDecodeBackend, decode_stage1, decode_stage2
 from mla_fuzz.kernels import TritonMLABackend, plan_reference
+from mla_fuzz.kernels.indexer import indexer_topk
 
 
 class StaleSlotTail(TritonMLABackend):
@@ -186,6 +193,124 @@ class EvictedSizeBuffer(TritonMLABackend):
         return buf
 
 
+class ExamplePoolKeyedKVView(TritonDecodeBackend):
+    """The kernels' view of the KV cache memoised per cache *allocation*: the forward brings the
+    cache an engine hands it into the kernels' ``[num_blocks, page, 1, d_qk]`` layout (vLLM's MLA
+    caches come as ``[num_blocks, page, d_qk]`` and get an ``unsqueeze(2)``; V is then the first
+    ``kv_lora_rank`` columns of that K view) once, and keeps it in a dict keyed by the allocation's
+    address, dtype and shape (``untyped_storage().data_ptr()``: the same for every view of one
+    allocation, so an engine that re-slices its cache each step still hits the memo). Right as
+    long as each layer's cache is an allocation of its own; when the layers' caches are views of
+    one pool allocation (TensorRT-LLM's KV pool with per-layer offsets, layers sharing one tensor
+    in vLLM's hybrid KV-cache groups, the harness's ``kv_pool``), every layer has the same key: the
+    first layer to run binds its cache and every later layer of every step attends the first
+    layer's keys and values, in eager steps and in the captured graph alike. One layer per step,
+    or any layer run alone, is right."""
+
+    name = "example-pool-keyed-kv-view"
+
+    def _kernel_cache(self, kv_cache):
+        memo = self.__dict__.setdefault("_kv_views", {})
+        key = (kv_cache.untyped_storage().data_ptr(), kv_cache.dtype, tuple(kv_cache.shape))
+        view = memo.get(key)
+        if view is None:  # first use of this allocation: make the kernels' view once
+            view = memo[key] = kv_cache if kv_cache.dim() == 4 else kv_cache.unsqueeze(2)
+        return view
+
+    def forward(self, q, kv_cache, metadata):
+        return super().forward(q, self._kernel_cache(kv_cache), metadata)
+
+
+class MTPRepeatInterleave(TritonMLABackend):
+    """Ragged MTP's per-token context lengths derived in the forward, vLLM-style, from the step's
+    ``query_start_loc`` (int32 ``[pad + 1]``, staged by the builder into a persistent buffer, padded
+    rows with no tokens) and ``seq_lens``: ``torch.repeat_interleave(q_lens)`` maps every query token
+    to its request, then each token's visible keys are ``seq_len - q_len + i + 1``. Eagerly this is
+    exactly what the builder's ``ctx_lens`` holds. But ``repeat_interleave`` is given no
+    ``output_size``: its length ``sum(q_lens)`` is a device value, so ATen reads
+    ``cumsum(repeats)[-1]`` on the host (a device->host copy and a stream sync), which CUDA forbids
+    while a graph is being captured (and, were it allowed, would freeze the capture batch's token
+    count into the graph). Engines pass the host-known token count as ``output_size``; this
+    forward drops it. Only MTP batches
+    (``next_n > 1``) take the ragged path: the capture of an MTP graph fails."""
+
+    name = "mtp-repeat-interleave"
+
+    def _fill_metadata(self, batch):
+        md = super()._fill_metadata(batch)
+        B, pad = batch.batch_size, batch.padded_size
+        host = torch.zeros(pad + 1, dtype=torch.int32)
+        host[1:B + 1] = torch.cumsum(batch.q_lens.to(torch.int32), 0)
+        host[B + 1:] = host[B]  # padded rows: no query tokens
+        if self.graph_safe:
+            buf = self.__dict__.get("_query_start_loc")
+            if buf is None:
+                buf = self._query_start_loc = torch.zeros(self.max_batch + 1, dtype=torch.int32, device=self.device)
+            md.query_start_loc = buf[:pad + 1]
+            md.query_start_loc.copy_(host)
+        else:
+            md.query_start_loc = host.to(self.device)
+        return md
+
+    def _decode(self, q, kv_cache, md, out, lse, partial_o, partial_lse):
+        if md.next_n > 1:
+            pad, n, dev = md.padded_size, md.next_n, q.device
+            qsl = md.query_start_loc.to(torch.int64)
+            q_lens = qsl[1:] - qsl[:-1]
+            req = torch.repeat_interleave(q_lens)  # token -> request; no output_size: sum(q_lens) read on the host
+            tok = torch.arange(req.numel(), device=dev) - qsl[req]
+            ctx = torch.zeros(pad, n, dtype=torch.int32, device=dev)
+            ctx[req, tok] = (md.seq_lens.to(torch.int64)[req] - q_lens[req] + tok + 1).to(torch.int32)
+            md = dataclasses.replace(md, ctx_lens=ctx, ctx_width=torch.full((1,), n, dtype=torch.int32, device=dev))
+        super()._decode(q, kv_cache, md, out, lse, partial_o, partial_lse)
+
+
+class IndexerBatchQScale(TritonMLABackend):
+    """The device top-k indexer's query scale taken per tensor over the whole padded batch. In
+    DeepSeek-V3.2's lightning indexer the queries are quantised to FP8 with power-of-two (UE8M0)
+    scales and the scale is folded into the per-head weights (``weights * q_scale``), per token
+    group in vLLM's and DeepSeek's code. This backend takes one scale for the batch: the amax of
+    every row of ``q``, padded rows included (the FP8 cast itself is left out here, the indexer
+    scores in fp64, so the power-of-two scale is exact and the selection equals the clean one for
+    any finite padding). Padded rows hold whatever the graph's input buffer held; once that is NaN
+    (or inf), the amax, the scale and the folded head weights are NaN for every row, every real
+    token's scores are NaN and its top-k is the first ``topk`` visible positions instead of the
+    best ones. vLLM #37442's batch-wide amax over padded rows, in the sparse indexer: only shows
+    with padded rows (graph padding) holding non-finite values; sparse steps with the device
+    indexer only."""
+
+    name = "indexer-batch-q-scale"
+
+    def _run_indexer(self, q, kv_cache, md):
+        w, spec = self.indexer, self.spec
+        heads = w.head_w.shape[0]
+        amax = q[:, :, :heads].abs().amax().float()  # one amax over the padded batch
+        scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30))))  # UE8M0: a power of two
+        indexer_topk((q / scale).to(q.dtype), kv_cache, md.block_table, md.indexer_ctx, md.ctx_width, w.w_q, w.w_k,
+                     w.head_w * scale, md.topk_indices.view(md.padded_size, md.next_n, self.topk_max), md.topk,
+                     spec.kv_lora_rank, spec.qk_rope_head_dim, spec.fp8_group, k_scale=md.k_scale)
+
+
+class PadSlotsCaptureBuild(TritonMLABackend):
+    """A capture-time metadata path (vLLM's ``build_for_cudagraph_capture``) that keeps the
+    capture's dummy batch out of the KV cache: the forward captured for a graph runs on a
+    warmup/dummy batch whose cache write must not land in real blocks, so the capture path hands
+    the write a fresh slot mapping of -1 (``PAD_SLOT_ID`` everywhere, ``torch.full_like``) instead
+    of filling the persistent one in place. ``build`` (eager steps, and the builds before each
+    replay) is untouched and right, and refreshes the persistent slot mapping as always; but the
+    captured write reads the capture path's dummy tensor forever: no replay writes the step's keys
+    into the cache, and the decode of every replayed step attends whatever the new tokens' slots
+    held before (here the cache's earlier contents, in an engine a previous occupant's key). Only
+    graph replays on the layer path (``write_kv``) show it."""
+
+    name = "pad-slots-capture-build"
+
+    def build_for_capture(self, batch):
+        md = self.build(batch)
+        md.slot_mapping = torch.full_like(md.slot_mapping, -1)  # the dummy batch writes nothing
+        return md
+
+
 HELDOUT = {
     "stale-slot-tail": StaleSlotTail,
     "sparse-frozen-width": SparseFrozenWidth,
@@ -193,6 +318,10 @@ HELDOUT = {
     "partials-sized-at-build": PartialsSizedAtBuild,
     "lazy-write-scale": LazyWriteScale,
     "evicted-size-buffer": EvictedSizeBuffer,
+    "example-pool-keyed-kv-view": ExamplePoolKeyedKVView,
+    "mtp-repeat-interleave": MTPRepeatInterleave,
+    "indexer-batch-q-scale": IndexerBatchQScale,
+    "pad-slots-capture-build": PadSlotsCaptureBuild,
 }
 
 HELDOUT_EXPECTED = {
@@ -209,6 +338,14 @@ HELDOUT_EXPECTED = {
     "lazy-write-scale": {"laziness", "stale-address"},
     # a tensor the captured graph reads, re-created by a later build
     "evicted-size-buffer": {"stale-address"},
+    # a memo keyed by what all layers of one pool share: the layers of a step share state
+    "example-pool-keyed-kv-view": {"layer-state"},
+    # a data-dependent output size (an implicit device->host read) inside the capture
+    "mtp-repeat-interleave": {"host-sync"},
+    # a batch-wide reduction over padded rows carries their NaN into every real row
+    "indexer-batch-q-scale": {"padding-leak"},
+    # the capture-time metadata path hands the graph a tensor the replay path never refreshes
+    "pad-slots-capture-build": {"capture-divergence"},
 }
 
 __all__ = ["HELDOUT", "HELDOUT_EXPECTED"] + [c.__name__ for c in HELDOUT.values()]
