@@ -10,7 +10,8 @@
 #   and WORKERS workers to ready, one process's per-scenario kernel loads): where the seconds
 #   before a row's first example go;
 # - DeepSeek-V3 size, cold then warm, on its own empty cache; then the held-out set there.
-# PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold).
+# PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold);
+# EXTRA="--only a,b" adds arguments to every matrix.
 # Each json row has seconds_to_detect (from the command's start) and row_started_s (when a
 # worker took the row). Logs and json land in OUTDIR.
 set -uo pipefail
@@ -25,13 +26,15 @@ matrix() {  # name cache-dir args...
     shift 2
     local t0=$SECONDS
     TRITON_CACHE_DIR="$cache" "$PY" -m mla_fuzz.harness.cli mutants --graph cuda --workers "$W" \
-        --json "$OUT/$name.json" "$@" >"$OUT/$name.txt" 2>&1
+        --json "$OUT/$name.json" "$@" ${EXTRA:-} >"$OUT/$name.txt" 2>&1
     local r=$?
     echo "$name: exit $r, $((SECONDS - t0)) s"
     tail -n 4 "$OUT/$name.txt"
     [ "$r" -gt "$rc" ] && rc=$r
 }
-C=$(mktemp -d)
+# DETECTION_CACHE: a Triton cache folder kept after the run (phases of later commands read
+# what earlier ones compiled); default: a new empty folder, removed at the end
+C=${DETECTION_CACHE:-$(mktemp -d)}
 for phase in ${PHASES:-tiny-cold tiny-warm startup heldout-warm dsv3-cold dsv3-warm heldout-dsv3-warm}; do
     case $phase in
         tiny-cold|tiny-warm) matrix "$phase" "$C/tiny" --spec tiny ;;
@@ -46,5 +49,5 @@ for phase in ${PHASES:-tiny-cold tiny-warm startup heldout-warm dsv3-cold dsv3-w
         *) echo "ci/gpu_detection.sh: unknown phase $phase" >&2; exit 2 ;;
     esac
 done
-rm -rf "$C"
+[ -n "${DETECTION_CACHE:-}" ] || rm -rf "$C"
 exit "$rc"
