@@ -56,8 +56,13 @@ class DeviceOutOfMemory(BaseException):
 #: off for a task the parent runs alone, where nothing else holds the GPU's memory.
 OOM_IS_ENVIRONMENT = False
 
-_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|"
-                  r"out of memory \(cudaErrorMemoryAllocation\)", re.IGNORECASE)
+# The GPU out of memory, as each layer words it: torch's allocator ("CUDA out of memory"), a
+# CUDA runtime or driver call through torch ("CUDA error: out of memory", cudaErrorMemoryAllocation:
+# a graph's instantiation, a library's workspace), the driver API (CUDA_ERROR_OUT_OF_MEMORY),
+# a Triton launch ("Triton Error [CUDA]: out of memory") and cuBLAS' allocation.
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|"
+                  r"CUDA_ERROR_OUT_OF_MEMORY|CUDA (driver )?error: out of memory|\[CUDA\]: out of memory",
+                  re.IGNORECASE)
 
 
 def find_oom(exc: BaseException) -> BaseException | None:
@@ -77,9 +82,11 @@ def out_of_memory(exc: BaseException) -> BaseException | None:
 
 
 def is_cuda_error(text: str | None) -> bool:
-    """Whether an error message names a CUDA (device) error that poisons the context."""
+    """Whether an error message names a CUDA (device) error that poisons the context. Running
+    out of memory does not ("CUDA error: out of memory" leaves the context usable): it is
+    ``find_oom``'s."""
     from .bisect_step import is_cuda_error as _is
-    return _is(text)
+    return _is(text) and not _OOM.search(text)
 
 
 def call_backend(fn, *args, **kwargs):

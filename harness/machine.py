@@ -245,9 +245,9 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                 c.latest_failure = failure
                 raise failure from None
             except Exception as e:
-                _lost_context(e, len(self.steps) - 1)
                 # a harness allocation (the world's caches, a reference) out of GPU memory
                 raise_if_environment_oom(e, f"step {len(self.steps) - 1}")
+                _lost_context(e, len(self.steps) - 1)
                 raise
 
         def _capture(self, data):

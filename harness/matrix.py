@@ -231,7 +231,8 @@ def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
     row = {"name": name, "backend": ref, "spec": ev.task.get("spec"), "caught": False, "examples": None,
            "examples_to_detect": None, "seconds_to_detect": None, "seconds": None, "row_started_s": None,
            "search_seconds_to_detect": None, "shrink_runs": None, "diagnosis": None, "oracle": None,
-           "expected": sorted(expected.get(name, ())), "matches": None, "repro": None, "error": None}
+           "expected": sorted(expected.get(name, ())), "matches": None, "repro": None, "message": None,
+           "error": None}
     repro = None
     if ev.kind == "done":
         rep = ev.msg["report"]
@@ -252,11 +253,21 @@ def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
         row["caught"] = True
         row["diagnosis"] = (repro.get("diagnosis") or {}).get("cls")
         row["oracle"] = (repro.get("failure") or {}).get("oracle")
+        # what the finding said, so a flagged clean backend or an unexpected diagnosis can be
+        # judged from the matrix alone (the whole repro goes to --corpus)
+        row["message"] = _first_line((repro.get("failure") or {}).get("message"))
         if corpus is not None:
             row["repro"] = str(write_repro(repro, corpus))
     if ref != CLEAN and row["caught"] and row["expected"]:
         row["matches"] = row["diagnosis"] in row["expected"]
     return row
+
+
+def _first_line(text, limit: int = 400):
+    if not text:
+        return None
+    line = str(text).strip().splitlines()[0]
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _round(v):
@@ -284,12 +295,16 @@ def verdict(rows: list[dict], strict: bool = False) -> tuple[int, list[str]]:
             bad.append(f"{name}: error: {r['error']}")
         elif r["backend"] == CLEAN and r["caught"]:
             where = f" ({r.get('spec')})" if by_spec else ""
-            bad.append(f"clean backend{where} flagged: {r['diagnosis']}")
+            bad.append(f"clean backend{where} flagged: {r['diagnosis']}" + _said(r))
         elif r["backend"] != CLEAN and not r["caught"]:
             bad.append(f"{name} escaped ({r['examples']} examples)")
         elif strict and r.get("matches") is False:
-            bad.append(f"{name} diagnosed {r['diagnosis']}, expected one of {r['expected']}")
+            bad.append(f"{name} diagnosed {r['diagnosis']}, expected one of {r['expected']}" + _said(r))
     return (1 if bad else 0), bad
+
+
+def _said(row: dict) -> str:
+    return f" ({row['oracle']}: {row['message']})" if row.get("message") else ""
 
 
 def matrix_json(rows: list[dict], *, graph: str, spec: str, examples: int, seed: int, seconds: float,

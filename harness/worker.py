@@ -284,9 +284,9 @@ def main(argv=None) -> int:
         except blame.DeviceOutOfMemory as exc:
             oom = str(exc)
         except Exception as exc:
-            if is_cuda_error(f"{type(exc).__name__}: {exc}"):
-                _lost(f"{type(exc).__name__}: {exc}")
             found = blame.out_of_memory(exc)
+            if found is None and is_cuda_error(f"{type(exc).__name__}: {exc}"):
+                _lost(f"{type(exc).__name__}: {exc}")
             if found is not None:
                 oom = blame.first_line(found)
             else:

@@ -44,6 +44,8 @@ def test_mutants_matrix_command(tmp_path, capsys):
     assert [r["name"] for r in m["rows"]] == [MUTANT]
     row = m["rows"][0]
     assert row["caught"] and row["matches"] and row["examples_to_detect"] >= 1
+    # the finding's own words: the failing oracle's message, one line
+    assert row["oracle"] and row["message"] and "\n" not in row["message"], row
     assert MUTANT in out and "yes" in out
     # time to the first finding counts from the command's start: after the row was handed
     # to a worker, no later than the row's end (shrunk and diagnosed) and the whole command

@@ -251,6 +251,11 @@ def test_matrix_verdict():
     assert code == 1 and "escaped" in why[0]
     code, why = verdict([mut, dict(clean, caught=True, diagnosis="numerical")])
     assert code == 1 and "clean backend flagged" in why[0]
+    # what the finding said comes with it: a flagged clean backend is judged from the matrix alone
+    said = dict(clean, caught=True, diagnosis="backend-error", oracle="backend-error",
+                message="backend raised AcceleratorError: CUDA error: out of memory (at x.py:3)")
+    code, why = verdict([mut, said])
+    assert code == 1 and "CUDA error: out of memory (at x.py:3)" in why[0] and "backend-error: " in why[0]
     wrong = dict(mut, diagnosis="numerical", matches=False)
     assert verdict([wrong, clean])[0] == 0
     assert verdict([wrong, clean], strict=True)[0] == 1

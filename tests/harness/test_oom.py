@@ -64,6 +64,32 @@ def test_a_step_out_of_memory_is_the_environment_unless_alone(monkeypatch):
     assert f"contract_fakes.py:{_oom_line()}" in f.message and "out of memory" in f.message
 
 
+# Out of GPU memory as other layers than torch's allocator word it (what the worker sees when
+# a Triton launch, a graph's instantiation or a library's workspace does not fit)
+_WORDINGS = [(RuntimeError, "Triton Error [CUDA]: out of memory"),
+             (RuntimeError, "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+             (RuntimeError, "CUDA driver error: out of memory"),
+             (RuntimeError, "cuModuleLoadData failed: CUDA_ERROR_OUT_OF_MEMORY"),
+             (RuntimeError, "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")]
+
+
+@pytest.mark.parametrize("error", _WORDINGS, ids=lambda e: e[1][:24])
+def test_every_wording_of_out_of_memory_is_the_environment_beside_others(monkeypatch, error):
+    monkeypatch.setattr(contract_fakes.OomAlways, "error", error)
+    monkeypatch.setattr(blame, "OOM_IS_ENVIRONMENT", True)
+    with pytest.raises(DeviceOutOfMemory, match=r"step 0 \(capture\): "):
+        run_steps(load_backend("contract_fakes:OomAlways"), ScenarioConfig(**_CFG), _STEPS, "emulated")
+    # and never a lost CUDA context: the process goes on after an out-of-memory error
+    assert not blame.is_cuda_error(f"{error[0].__name__}: {error[1]}")
+
+
+def test_other_device_errors_are_not_out_of_memory():
+    for text in ("out of resource: shared memory, Required: 262144, Hardware limit: 232448",
+                 "CUDA error: an illegal memory access was encountered", "backend ran out of its workspace"):
+        assert blame.find_oom(RuntimeError(text)) is None, text
+    assert blame.is_cuda_error("RuntimeError: CUDA error: an illegal memory access was encountered")
+
+
 def _run(args, tmp_path, timeout=300):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "mla_fuzz.harness.cli", *args], cwd=tmp_path, env=env,
