@@ -306,22 +306,19 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
     return DecodeMachine
 
 
-#: Examples per search block of the first round: the random search runs in blocks, each on
+#: Examples per search block: the random search runs in blocks of this many examples, each on
 #: one data path, rotating through the paths (Hypothesis makes most new examples by mutating
 #: earlier ones, so a path drawn inside one long search came in runs: the FP8-output layer
-#: was one scenario in 30). Blocks double each round through the paths, up to
-#: ``PATH_BLOCK << MAX_DOUBLINGS``: short first blocks reach every path again soon after the
-#: book (a bug that lives on one path waits for at most three other paths' blocks), long
-#: later ones give Hypothesis' mutation and target phases room.
-PATH_BLOCK = 4
-MAX_DOUBLINGS = 3
+#: was one scenario in 30).
+PATH_BLOCK = 10
 
 
 def plan_blocks(paths: tuple, seed: int, max_examples: int, book: bool = True) -> list[tuple]:
     """The search's blocks in order, ``(opening | None, path, examples, block seed)``: first
     the opening book, each opening on one path (paired by ``seed``), then random blocks of
-    ``PATH_BLOCK`` examples (doubling each round, up to ``PATH_BLOCK << MAX_DOUBLINGS``)
-    rotating through ``paths`` from where the book left off; in all ``max_examples`` examples."""
+    ``PATH_BLOCK`` examples (doubling each round, up to four times) rotating through ``paths``
+    from where the book left off; in all
+    ``max_examples`` examples."""
     import hashlib
     n = len(paths)
     off = seed % n
@@ -333,8 +330,9 @@ def plan_blocks(paths: tuple, seed: int, max_examples: int, book: bool = True) -
         blocks.append((opening, paths[(off + i) % n], take))
         left -= take
     while left > 0:
-        # blocks grow each round through the paths (4, 8, 16, 32)
-        take = min(PATH_BLOCK << min(k // n, MAX_DOUBLINGS), left)
+        # blocks grow each round through the paths (10, 20, 40): short ones reach every path
+        # soon, longer ones give Hypothesis' mutation and target phases room
+        take = min(PATH_BLOCK << min(k // n, 2), left)
         blocks.append((None, paths[(off + k) % n], take))
         left -= take
         k += 1
