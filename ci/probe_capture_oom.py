@@ -58,7 +58,17 @@ def _case(op: str, margin: int) -> dict:
         before = torch.cuda.memory_stats()
         free, _total = torch.cuda.mem_get_info()
         out["cached_free_mib"] = (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) >> 20
-        hog = torch.empty(max(0, free - margin), dtype=torch.uint8, device="cuda")
+        # all of the free memory in one allocation may not fit (the driver's own granularity):
+        # step down until it does
+        want = max(0, free - margin)
+        while hog is None:
+            try:
+                hog = torch.empty(want, dtype=torch.uint8, device="cuda")
+            except torch.OutOfMemoryError:
+                if want < (64 << 20):
+                    raise
+                want -= 16 << 20
+        out["hog_short_of_free_mib"] = (free - want) >> 20
         step = steps["capture"] if op == "capture" else (
             {"op": "replay", "size": 8, "batch": _batch(4, long), "poison": False} if op == "replay" else steps["eager"])
         t0 = time.monotonic()
