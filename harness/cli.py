@@ -322,13 +322,14 @@ def _gpu_present() -> bool:
 
 
 def _expected_worker_env(graph: str) -> dict:
-    """The import environment the command's workers will most likely have (``worker_envs``:
-    the interpreter for CPU modes), guessed before torch is imported, for ``zygote.prestart``;
-    a wrong guess costs only the head start (the pool then starts the zygote it needs)."""
-    env = dict(os.environ)
-    if graph == "emulated" or not _gpu_present():
-        env["TRITON_INTERPRET"] = env.get("TRITON_INTERPRET") or "1"
-    return env
+    """The environment the command's workers will most likely have (``worker_envs``, with the
+    GPU count guessed from the driver's device nodes), before torch is imported, for
+    ``zygote.prestart``; a wrong guess costs only the head start (the pool then starts the
+    zygote it needs)."""
+    from .worker_env import worker_envs
+    gpu = _gpu_present()
+    mode = ("cuda" if gpu else "emulated") if graph == "auto" else graph
+    return {**os.environ, **worker_envs(1, mode, device_count=int(gpu), cpu_count=1)[0]}
 
 
 def _resolve_mode(graph: str) -> str:

@@ -115,6 +115,14 @@ def test_commands_that_start_workers_start_the_zygote_first_with_the_workers_imp
     cli._prestart_workers(["replay", "--isolate", "r.json"])
     cli._prestart_workers(["mutants", "--graph=emulated"])
     assert len(started) == 3
+    # on a GPU machine (the driver's device nodes), before torch: the GPU workers' import env
+    for gpu, argv, mode in ((True, ["run", "--graph", "cuda"], "cuda"), (True, ["mutants"], "cuda"),
+                            (False, ["mutants"], "emulated"), (True, ["run", "--graph", "eager"], "eager")):
+        monkeypatch.setattr(cli, "_gpu_present", lambda gpu=gpu: gpu)
+        cli._prestart_workers(argv)
+        pool_env = dict(os.environ) | worker_envs(2, mode, device_count=int(gpu))[0]
+        assert zygote.import_key(started[-1]) == zygote.import_key(pool_env), (argv, gpu)
+    assert "TRITON_INTERPRET" not in dict(started[-1])  # eager on a GPU: compiled kernels
 
 
 @pytest.mark.skipif(not zygote.enabled(), reason="MLA_FUZZ_ZYGOTE=0")
