@@ -88,6 +88,10 @@ def test_book_programs_are_valid_scenarios(data, path):
         if step["op"] == "replay":
             assert step["size"] in captured
     assert cfg.path.split("+")[0] == path.split("+")[0]
+    if opening.name == "eager-between":
+        # "a padded, poisoned eager forward": rows fewer than the graph size it is padded to
+        [eager] = [s for s in steps if s["op"] == "eager"]
+        assert eager["poison"] and len(eager["batch"]["seq_lens"]) < eager["pad_to"], eager
 
 
 def test_closeness_notes_how_near_a_passing_comparison_came():
