@@ -12,7 +12,11 @@ The last four (``example-pool-keyed-kv-view``, ``mtp-repeat-interleave``,
 ``indexer-batch-q-scale``, ``pad-slots-capture-build``) were written later, the same way and
 still unseen by the search: one each on a multi-layer step, an MTP capture, the sparse path's
 device indexer and the layer path's cache write, by mechanisms none of the mutants before them
-uses.
+uses. The four after them (``example-real-rows-mask``, ``plan-aliases-slot-mapping``,
+``sparse-ping-pong-topk``, ``mtp-uniform-fast-path``) were written the same way at the end of
+that day, after the book's padded eager step, and measured untouched on the search as it then
+stood (``benchmarks/results/cpu-2026-11-29-fresh-set3-before.json``): the set for judging the
+next change to the search.
 
 ``HELDOUT`` maps name -> backend class; ``HELDOUT_EXPECTED`` maps name -> diagnosis classes
 that are a correct explanation of that bug.
@@ -311,6 +315,113 @@ class PadSlotsCaptureBuild(TritonMLABackend):
         return md
 
 
+class ExampleRealRowsMask(TritonDecodeBackend):
+    """The example's forward keeping only the real rows' results by boolean-mask indexing: to
+    hand the engine exact zeros (lse -inf) for padded rows whatever the kernels left there, it
+    gathers the rows with keys (``live = md.seq_lens > 0``; ``res[live] = out[live]``) into
+    fresh zero / -inf outputs, the way engine code selects "the real tokens" of a padded batch
+    with a mask. Eagerly the result is exactly the clean one. But indexing with a boolean
+    tensor is ``nonzero`` underneath: its output length is a device value, read on the host (a
+    device->host copy and a stream sync), which CUDA forbids while a graph is being captured
+    (and, were it allowed, would freeze the capture batch's live-row count into the graph).
+    Every capture fails; eager steps never show it."""
+
+    name = "example-real-rows-mask"
+
+    def forward(self, q, kv_cache, metadata):
+        out, lse = super().forward(q, kv_cache, metadata)
+        live = metadata.seq_lens > 0  # [pad] bool: the rows with keys
+        res = torch.zeros_like(out)
+        res_lse = torch.full_like(lse, float("-inf"))
+        res[live] = out[live]  # boolean-mask indexing: nonzero, a host read of the row count
+        res_lse[live] = lse[live]
+        return res, res_lse
+
+
+class PlanAliasesSlotMapping(TritonMLABackend):
+    """The planner's per-request plan (``num_splits`` / ``split_offsets``, int32 ``[pad]``
+    each) carved out of the slot mapping's memory: to keep the step's int metadata in one
+    allocation, the builder lets the plan overlap the int64 ``slot_mapping`` buffer, on the
+    liveness argument that the cache write consumes the slot mapping before the planner runs
+    (``write_kv`` precedes ``forward`` in a layer). True for one layer; in a step of several
+    layers on one build, the first layer's planner overwrites the slot mapping and every later
+    layer's cache write reads plan words as slots: its keys land in the wrong slots or (out of
+    range) nowhere, and it attends whatever those slots held. The eager and the graph paths
+    alike; any re-run of a forward on the same build (warmup and capture sharing one build, as
+    vLLM's do) reads the clobbered mapping too. Shaped after engines' shared int workspaces
+    (FlashInfer's int workspace buffer, vLLM's workspace manager) whose carving assumed a
+    lifetime the layer loop breaks. The layer path (``write_kv``) only."""
+
+    name = "plan-aliases-slot-mapping"
+
+    def _fill_metadata(self, batch):
+        md = super()._fill_metadata(batch)
+        if not self.graph_safe or md.sparse:
+            return md
+        pad = md.padded_size
+        words = self._buffers["slot_mapping"].view(torch.int32)  # the slot mapping's bytes, as int32
+        md.num_splits, md.split_offsets = words[:pad], words[pad:2 * pad]  # "dead once the write ran"
+        return md
+
+
+class SparsePingPongTopk(TritonMLABackend):
+    """The sparse path's persistent top-k index buffer double-buffered: with asynchronous
+    scheduling (the next step's metadata prepared while the current step still runs, vLLM's
+    async scheduling, SGLang's overlap scheduler) a builder cannot rewrite the buffer the
+    running kernel reads, so it alternates between two persistent ``topk_indices`` buffers,
+    build by build. Each buffer is allocated once and always rewritten whole (entries then -1),
+    so an eager step is always right. A graph captured on one buffer keeps reading it: every
+    other build writes the other one, and its replay attends the selection of the step before
+    (whatever step last wrote the captured buffer). Sparse steps with an engine-given (ragged)
+    selection only."""
+
+    name = "sparse-ping-pong-topk"
+
+    def _stage_topk(self, batch, pad):
+        if not self.graph_safe:
+            return super()._stage_topk(batch, pad)
+        host, lens = self.host_topk(batch, pad, self.topk_max)
+        pair = self.__dict__.get("_topk_pair")
+        if pair is None:
+            first = self._buffers["topk_indices"]
+            pair = self._topk_pair = (first, torch.full_like(first, -1))
+        self._topk_parity = 1 - getattr(self, "_topk_parity", 1)  # the buffer the last step did not use
+        buf = pair[self._topk_parity][:host.numel()].view(host.shape)
+        buf.copy_(host)
+        return buf, self._stage("topk_length", lens)
+
+
+class MTPUniformFastPath(TritonMLABackend):
+    """MTP decode dispatched on the host between a uniform fast path and the ragged path: the
+    builder notes whether every request has ``next_n`` query tokens (``uniform``, a Python bool
+    of the build), and the forward, for a uniform batch, derives each token's visible keys on
+    the device from ``seq_lens`` alone (``seq_len - next_n + i + 1``) instead of reading the
+    per-token context lengths. Both are right for the batch they were chosen for. Under a CUDA
+    graph the branch is taken once, at capture: a graph captured on a uniform batch replays the
+    fast path for every later batch of that size, ragged ones (``q_lens < next_n``, short
+    ``max_decode_len``) included, whose tokens then see the wrong number of keys and whose
+    padding tokens attend. Shaped after vLLM's uniform-decode CUDA-graph dispatch for
+    speculative decoding, where only uniform batches may replay the graph captured for them.
+    MTP (``next_n > 1``) with ragged query lengths, after a uniform capture."""
+
+    name = "mtp-uniform-fast-path"
+
+    def _fill_metadata(self, batch):
+        md = super()._fill_metadata(batch)
+        n, B = batch.next_n, batch.batch_size
+        md.uniform = n > 1 and int(batch.max_decode_len) == n and bool((batch.q_lens[:B] == n).all())
+        return md
+
+    def _decode(self, q, kv_cache, md, out, lse, partial_o, partial_lse):
+        if getattr(md, "uniform", False):  # a host branch: the capture's choice is the graph's
+            n, dev = md.next_n, q.device
+            i = torch.arange(n, device=dev, dtype=torch.int64)[None, :]
+            seq = md.seq_lens.to(torch.int64)[:, None]
+            ctx = torch.where(seq > 0, (seq - n + i + 1).clamp(min=0), torch.zeros_like(seq)).to(torch.int32)
+            md = dataclasses.replace(md, ctx_lens=ctx, ctx_width=torch.full((1,), n, dtype=torch.int32, device=dev))
+        super()._decode(q, kv_cache, md, out, lse, partial_o, partial_lse)
+
+
 HELDOUT = {
     "stale-slot-tail": StaleSlotTail,
     "sparse-frozen-width": SparseFrozenWidth,
@@ -322,6 +433,10 @@ HELDOUT = {
     "mtp-repeat-interleave": MTPRepeatInterleave,
     "indexer-batch-q-scale": IndexerBatchQScale,
     "pad-slots-capture-build": PadSlotsCaptureBuild,
+    "example-real-rows-mask": ExampleRealRowsMask,
+    "plan-aliases-slot-mapping": PlanAliasesSlotMapping,
+    "sparse-ping-pong-topk": SparsePingPongTopk,
+    "mtp-uniform-fast-path": MTPUniformFastPath,
 }
 
 HELDOUT_EXPECTED = {
@@ -346,6 +461,14 @@ HELDOUT_EXPECTED = {
     "indexer-batch-q-scale": {"padding-leak"},
     # the capture-time metadata path hands the graph a tensor the replay path never refreshes
     "pad-slots-capture-build": {"capture-divergence"},
+    # boolean-mask indexing (nonzero: a data-dependent size read on the host) inside the capture
+    "example-real-rows-mask": {"host-sync"},
+    # a forward overwrites metadata (the slot mapping) that the next layer's cache write reads
+    "plan-aliases-slot-mapping": {"layer-state", "cache-corruption"},
+    # a metadata tensor the captured graph reads, swapped for another buffer by later builds
+    "sparse-ping-pong-topk": {"stale-address"},
+    # a host-side dispatch decision of the capture's build frozen into the graph
+    "mtp-uniform-fast-path": {"laziness"},
 }
 
 __all__ = ["HELDOUT", "HELDOUT_EXPECTED"] + [c.__name__ for c in HELDOUT.values()]
