@@ -113,7 +113,7 @@ def _python(code: str, args: list[str], env: dict, timeout: float) -> dict:
 
 def pool_ready(n: int, graph: str, timeout: float) -> dict:
     """Seconds from starting ``n`` workers to each one's ready message (the last is the pool's)."""
-    from mla_fuzz.harness.campaign import worker_envs
+    from mla_fuzz.harness.worker_env import worker_envs
     from mla_fuzz.harness.pool import Pool
 
     with tempfile.TemporaryDirectory(prefix="mla-fuzz-startup-") as logs:

@@ -46,7 +46,6 @@ from .pool import Pool, exit_text
 from .repro import signature, write_repro
 from .scenario import ScenarioConfig, add_note, scenario_coverage, step_coverage
 from .throttle import OomThrottle
-from .worker_env import worker_envs  # noqa: F401 - where callers have always found it
 
 DEFAULT_CHUNK = 100
 # Reductions of a crash found near the end may finish this long after the budget.

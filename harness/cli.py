@@ -447,9 +447,10 @@ def _warmup_plan(args, backend: str, specs, mode: str, narrow: dict, max_seq_len
 
 # -- commands ------------------------------------------------------------------------------
 def cmd_run(args) -> int:
-    from .campaign import DEFAULT_CHUNK, CampaignOptions, CampaignRun, shard_chunks, worker_envs
+    from .campaign import DEFAULT_CHUNK, CampaignOptions, CampaignRun, shard_chunks
     from .progress import make_progress
     from .render import summary_lines
+    from .worker_env import worker_envs
 
     if args.backend and args.mutant:
         raise UsageError("give either --backend or --mutant, not both")
@@ -520,7 +521,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .campaign import worker_envs
+    from .worker_env import worker_envs
     from .render import scenario_lines
     from .repro import ReproError, load_repro
     from .replaying import replay
@@ -619,7 +620,7 @@ def _failure_text(failure, diagnosis) -> str:
 
 
 def cmd_mutants(args) -> int:
-    from .campaign import worker_envs
+    from .worker_env import worker_envs
     from .matrix import CLEAN, load_mutants, matrix_json, row_label, run_matrix, verdict
     from .render import MATRIX_HEADERS, matrix_rows, table
 
@@ -702,7 +703,7 @@ def cmd_warmup(args) -> int:
     import tempfile
     import threading
 
-    from .campaign import worker_envs
+    from .worker_env import worker_envs
     from .pool import Pool
     from .warmup import REPORT_FORMAT, WorkerFatal, run_warmup, skipped, summary_line
 

@@ -91,7 +91,7 @@ def run_campaign(plan: BenchPlan, spec: str, mode: str, envs: list[dict], budget
 
 
 def _gpu_envs(ids: list[str], per_gpu: int) -> list[dict]:
-    from .campaign import worker_envs
+    from .worker_env import worker_envs
 
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
@@ -107,7 +107,7 @@ def _gpu_envs(ids: list[str], per_gpu: int) -> list[dict]:
 def layout(plan: BenchPlan, mode: str, gpu_ids: list[str], cpu_count: int) -> list[list[dict]]:
     """Worker environments of every timed run of ``mode``, in order (GPU counts above
     ``len(gpu_ids)`` left out)."""
-    from .campaign import worker_envs
+    from .worker_env import worker_envs
 
     if mode == "cuda":
         return [_gpu_envs(gpu_ids[:g], k) for g in plan.gpus if g <= len(gpu_ids) for k in plan.per_gpu]

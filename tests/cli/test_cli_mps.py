@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from mla_fuzz.harness import cli
-from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, worker_envs
+from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun
 from mla_fuzz.harness.mps import MpsDaemon, MpsDaemons, MpsError
+from mla_fuzz.harness.worker_env import worker_envs
 
 
 FAKE_CONTROL = """#!{python}

@@ -8,11 +8,12 @@ import json
 import pytest
 
 from mla_fuzz.harness import cli
-from mla_fuzz.harness.campaign import chunk_seed, worker_envs
+from mla_fuzz.harness.campaign import chunk_seed
 from mla_fuzz.harness.crash_repro import StepReducer, crash_repro, is_process_failure, valid_steps
 from mla_fuzz.harness.matrix import verdict
 from mla_fuzz.harness.render import scenario_lines, step_line
 from mla_fuzz.harness.repro import load_repro, signature, write_repro
+from mla_fuzz.harness.worker_env import worker_envs
 from mla_fuzz.mla_ref import ModelSpec
 
 

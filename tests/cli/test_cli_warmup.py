@@ -265,7 +265,7 @@ def test_gpu_warmup_cold_then_warm(tmp_path, cache, capsys):
 
 
 def test_mutants_matrix_runs_the_warmup_on_its_workers_first(cache):
-    from mla_fuzz.harness.campaign import worker_envs
+    from mla_fuzz.harness.worker_env import worker_envs
     from mla_fuzz.harness.matrix import matrix_json, run_matrix
 
     narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
@@ -289,7 +289,7 @@ def test_matrix_rows_start_during_the_warmups_last_scenarios(cache):
     import dataclasses
     import time as _time
 
-    from mla_fuzz.harness.campaign import worker_envs
+    from mla_fuzz.harness.worker_env import worker_envs
     from mla_fuzz.harness.matrix import run_matrix
 
     narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
@@ -317,7 +317,8 @@ def test_campaign_chunks_start_during_the_warmups_last_scenario(cache, tmp_path)
     import dataclasses
     import time as _time
 
-    from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, worker_envs
+    from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun
+    from mla_fuzz.harness.worker_env import worker_envs
     from cli_helpers import RecordingDisplay
 
     narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",

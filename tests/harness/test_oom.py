@@ -123,7 +123,7 @@ def test_an_out_of_memory_that_repeats_alone_is_the_backends_finding(tmp_path):
 
 
 def test_a_matrix_row_out_of_memory_runs_again_and_is_not_caught(monkeypatch):
-    from mla_fuzz.harness.campaign import worker_envs
+    from mla_fuzz.harness.worker_env import worker_envs
     from mla_fuzz.harness.matrix import run_matrix
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))

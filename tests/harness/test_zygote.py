@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mla_fuzz.harness import zygote
-from mla_fuzz.harness.campaign import worker_envs
+from mla_fuzz.harness.worker_env import worker_envs
 from mla_fuzz.harness.pool import Pool
 
 def _ppid(pid: int) -> int:
