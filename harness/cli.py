@@ -213,6 +213,10 @@ def _build_parser() -> _Parser:
     mut.add_argument("--case-timeout", default=None, metavar="SECONDS")
     mut.add_argument("--corpus", default=None, metavar="DIR", help="also write each row's repro here")
     mut.add_argument("--strict", action="store_true", help="exit 1 also when a diagnosis is not an expected one")
+    mut.add_argument("--mps", action="store_true",
+                     help="cuda: the rows' workers share each GPU under a private CUDA MPS daemon (kernels of rows "
+                     "side by side run concurrently instead of time-slicing the GPU); a row whose worker dies there "
+                     "runs again without MPS (see run)")
     mut.add_argument("--json", default=None, metavar="FILE", help="write the matrix as JSON")
     _add_warmup_flags(mut, what="the clean triton backend's kernel variants, before the rows")
 
@@ -630,6 +634,7 @@ def cmd_mutants(args) -> int:
     case_timeout = _case_timeout(args.case_timeout)
     workers = _workers(args.workers)
     mode = _resolve_mode(args.graph)
+    _check_mps(args.mps, mode)
     if args.corpus is not None:
         _check_writable_dir("--corpus", args.corpus)
     if args.json:
@@ -679,11 +684,16 @@ def cmd_mutants(args) -> int:
               file=sys.stderr, flush=True)
 
     started = command_start()
-    rows = run_matrix(refs, expected, graph=mode, spec=specs, examples=examples, seed=seed,
-                      worker_envs=worker_envs(workers, mode), case_timeout=case_timeout, max_seq_len=max_seq_len,
-                      corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row, on_sight=on_sight,
-                      started_at=started, warmup=warm, on_warmup=warm_out.append,
-                      on_note=lambda text: print(f"[mla-fuzz] {text}", file=sys.stderr, flush=True))
+    from .mps import MpsError
+    try:
+        rows = run_matrix(refs, expected, graph=mode, spec=specs, examples=examples, seed=seed,
+                          worker_envs=worker_envs(workers, mode), case_timeout=case_timeout, max_seq_len=max_seq_len,
+                          corpus=None if args.corpus is None else Path(args.corpus), on_row=on_row,
+                          on_sight=on_sight, started_at=started, warmup=warm, on_warmup=warm_out.append,
+                          on_note=lambda text: print(f"[mla-fuzz] {text}", file=sys.stderr, flush=True),
+                          mps=args.mps)
+    except MpsError as exc:  # the daemon did not start
+        raise UsageError(str(exc)) from None
     code, reasons = verdict(rows, strict=args.strict)
     _print_lines(table(MATRIX_HEADERS, matrix_rows(rows, by_spec=len(specs) > 1), indent=""))
     for r in reasons:

@@ -13,6 +13,13 @@ the row was handed to a worker (rows wait for a free worker).
 With ``warmup`` (a ``harness.warmup.WarmupPlan``), the rows' workers first run the warmup
 phase (the clean backend's kernel variants compiled once, in parallel, into Triton's cache);
 row times then include it, as they include every start-up cost.
+
+With ``mps`` the workers share each GPU under a private CUDA MPS daemon (``harness.mps``):
+rows side by side on one GPU run their kernels concurrently instead of time-slicing it. MPS
+shares a fatal GPU fault among the processes of a GPU, so a row whose worker died or hung
+there may have died of its neighbour's fault: each such row runs again, alone, in a worker
+without MPS, and that run is the row (``mps_rerun``; its times still count from the command's
+start).
 """
 from __future__ import annotations
 
@@ -61,7 +68,8 @@ def load_mutants(mutant_set: str = "public") -> tuple[dict, dict]:
 def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examples: int, seed: int,
                worker_envs: list[dict], case_timeout: float | None, corpus: Path | None = None,
                on_row=None, max_seq_len: int | None = None, on_sight=None,
-               started_at: float | None = None, warmup=None, on_warmup=None, on_note=None) -> list[dict]:
+               started_at: float | None = None, warmup=None, on_warmup=None, on_note=None,
+               mps: bool = False) -> list[dict]:
     """Fuzz each backend ref in ``names`` (``mutant:NAME`` or ``triton``) at ``spec`` (a name, or
     a list of them: a row per backend and spec); one dict per row in ``names`` order, its specs
     in ``spec``'s order (sequences up to ``max_seq_len``; None: per spec and device).
@@ -69,7 +77,8 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
     examples)`` when a row first sees a failure. Times count from ``started_at`` (epoch
     seconds; default now). On Ctrl-C the rows finished so far are returned (fewer than
     ``names``). ``warmup``: a warmup plan run on the rows' workers first (``on_warmup(outcome)``
-    gets what it did, ``on_note(text)`` its progress lines)."""
+    gets what it did, ``on_note(text)`` its progress lines). ``mps``: workers under private MPS
+    daemons, one per GPU (``harness.mps.MpsError`` if one cannot start; module doc)."""
     specs = [spec] if isinstance(spec, str) else list(spec)
     # a backend's rows at each size side by side, so the first findings at both sizes come early
     pairs = [(ref, sp) for ref in names for sp in specs]
@@ -79,12 +88,19 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
     rows: dict[str, dict] = {}
     pending = list(tasks)
     clock = _Clock(time.time() if started_at is None else started_at)
+    envs = worker_envs[: max(1, min(len(worker_envs), len(tasks)))]
+    daemons = None
+    if mps:
+        from .mps import MpsDaemons
+        daemons = MpsDaemons.for_envs(envs).start()
+    interrupted = False
     with tempfile.TemporaryDirectory(prefix="mla-fuzz-matrix-") as logs:
-        pool = Pool(worker_envs[: max(1, min(len(worker_envs), len(tasks)))], logs, case_timeout=case_timeout)
-        pool.start()
-        if on_note is not None and pool.launcher:
-            on_note(f"workers: {pool.launcher}")
+        pool = Pool(envs if daemons is None else [daemons.client_env(e) for e in envs], logs,
+                    case_timeout=case_timeout)
         try:
+            pool.start()
+            if on_note is not None and pool.launcher:
+                on_note(f"workers: {pool.launcher}" + ("" if daemons is None else ", under MPS"))
             driver = _Rows(pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock,
                            on_note)
             if warmup is not None:
@@ -93,10 +109,43 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
                     on_warmup(out)
             _drive(pool, driver)
         except KeyboardInterrupt:
-            pass
+            interrupted = True
         finally:
             pool.close(kill=True)
+            if daemons is not None:
+                daemons.stop()
+        if daemons is not None and not interrupted:
+            _confirm_without_mps(tasks, rows, envs, logs, expected, graph, case_timeout, corpus, on_row, clock,
+                                 on_note)
     return [rows[t["id"]] for t in tasks if t["id"] in rows]
+
+
+def _confirm_without_mps(tasks, rows, envs, logs, expected, graph, case_timeout, corpus, on_row, clock,
+                         on_note) -> None:
+    """Rows whose worker died or hung under MPS run again without it (module doc)."""
+    again = [t for t in tasks if t["id"] in rows and rows[t["id"]].get("process_end")]
+    if not again:
+        return
+    if on_note is not None:
+        on_note(f"{clock.now():.1f}s: {len(again)} row(s) ended with their worker's death under MPS, where a "
+                "neighbour's GPU fault ends every worker of the GPU: running them again without MPS")
+    for t in again:
+        clock.sights.pop(t["id"], None)
+        clock.started.pop(t["id"], None)
+        del rows[t["id"]]
+    pool = Pool(envs[: len(again)], logs, case_timeout=case_timeout)
+    try:
+        pool.start()
+        driver = _Rows(list(again), rows, len(tasks), expected, graph, case_timeout, corpus, on_row, None, clock,
+                       on_note)
+        _drive(pool, driver)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        pool.close(kill=True)
+    for t in again:
+        if t["id"] in rows:
+            rows[t["id"]]["mps_rerun"] = True
 
 
 def _warmup(pool, plan, clock, on_note=None, rows: _Rows | None = None):
@@ -232,7 +281,7 @@ def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
            "examples_to_detect": None, "seconds_to_detect": None, "seconds": None, "row_started_s": None,
            "search_seconds_to_detect": None, "shrink_runs": None, "diagnosis": None, "oracle": None,
            "expected": sorted(expected.get(name, ())), "matches": None, "repro": None, "message": None,
-           "error": None}
+           "error": None, "process_end": None}
     repro = None
     if ev.kind == "done":
         rep = ev.msg["report"]
@@ -245,6 +294,7 @@ def _row(ev, expected: dict, graph: str, case_timeout, corpus) -> dict:
     elif ev.kind == "error":
         row["error"] = ev.msg.get("error")
     else:  # died / hung
+        row["process_end"] = ev.kind
         repro = crash_repro(ev.kind, ref, graph, ev.msg, {"seed": ev.task.get("seed")}, case_timeout)
         if repro is None:
             row["diagnosis"] = CLASSES[ev.kind]

@@ -154,3 +154,37 @@ def test_crash_that_replays_alone_is_kept(tmp_path, fakes, fake_control):
     (finding,) = res.findings.values()
     assert finding.cls == "crash" and finding.path.exists()
     assert not (tmp_path / "corpus" / "unconfirmed").exists()
+
+
+def _matrix(refs, examples=6):
+    from mla_fuzz.harness.matrix import run_matrix
+    return run_matrix(refs, {}, graph="eager", spec="tiny", examples=examples, seed=0,
+                      worker_envs=worker_envs(2, "eager", device_count=0), case_timeout=120.0, mps=True)
+
+
+def test_matrix_rows_run_under_the_daemon_and_it_is_stopped(tmp_path, fakes, fake_control, monkeypatch):
+    envlog = tmp_path / "env.log"
+    monkeypatch.setenv("MLA_FUZZ_TEST_ENVLOG", str(envlog))
+    (row,) = _matrix(["cli_fakes:EnvProbeBackend"], examples=2)
+    assert not row["caught"] and not row.get("mps_rerun") and row["process_end"] is None
+    start, quit_ = _events(fake_control)
+    assert set(envlog.read_text().split()) == {start["pipe"]} and quit_["cmd"] == "quit"
+
+
+def test_matrix_row_whose_worker_died_under_mps_runs_again_without(tmp_path, fakes, fake_control, monkeypatch):
+    """Under MPS a worker's death may be its neighbour's GPU fault: the row runs again in a
+    worker without MPS, and that run is the row. A backend that aborts once passes there; one
+    that always aborts is still caught as a crash."""
+    marker, envlog = tmp_path / "marker", tmp_path / "env.log"
+    monkeypatch.setenv("MLA_FUZZ_TEST_MARKER", str(marker))
+    once, always = _matrix(["cli_fakes:AbortOnceBackend", "cli_fakes:AbortBackend"])
+    assert marker.exists(), "the backend must have aborted once"
+    assert once["mps_rerun"] and not once["caught"] and once["process_end"] is None, once
+    assert always["mps_rerun"] and always["caught"] and always["diagnosis"] == "crash", always
+    assert always["process_end"] == "died"
+
+
+def test_mutants_mps_needs_cuda_mode(capsys):
+    code = cli.main(["mutants", "--graph", "emulated", "--mps", "--only", "nan-zero-len"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--mps" in err and "cuda" in err and "Traceback" not in err
