@@ -55,6 +55,11 @@ class ScenarioConfig:
     # its input the previous layer's output), all captured in one graph, every layer's output
     # kept until the step ends. Older repro files have none: 1.
     layers: int = 1
+    # The layer path's weights are drawn from this seed (``strategies.WEIGHT_SEEDS`` values:
+    # a worker draws each set once, ``World``), not from ``seed``: at DeepSeek-V3 size a set is
+    # 187M Gaussian draws, about 1.8 s of a worker's CPU for every layer scenario. ``None``
+    # (older repro files): ``seed``, so they replay the weights they recorded.
+    weights_seed: int | None = None
 
     @property
     def max_batch(self) -> int:
@@ -111,6 +116,9 @@ class ScenarioConfig:
             raise ValueError("config.sparse scenarios drive the attention op only (config.layer must be False)")
         if not isinstance(self.layers, int) or isinstance(self.layers, bool) or not 1 <= self.layers <= MAX_LAYERS:
             raise ValueError(f"config.layers must be an int in [1, {MAX_LAYERS}], got {self.layers!r}")
+        if self.weights_seed is not None and (not isinstance(self.weights_seed, int)
+                                              or isinstance(self.weights_seed, bool) or self.weights_seed < 0):
+            raise ValueError(f"config.weights_seed must be a non-negative int or null, got {self.weights_seed!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

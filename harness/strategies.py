@@ -32,6 +32,10 @@ FP8_FORMATS = ("fp8", "fp8_e4m3")
 # side (exact, so a wrong scale is the only difference) and an inexact one
 K_SCALES = (1.0, 0.5, 2.0, 0.125, 4.0, 0.3)
 _K_SCALE = st.sampled_from(K_SCALES)
+#: The layer path's weight sets (``ScenarioConfig.weights_seed`` = the scenario seed modulo
+#: this): the weights shape the projections' values, not the graph lifecycle, so a few sets
+#: serve the search, and each worker draws each set once.
+WEIGHT_SEEDS = 2
 # Rows up to this long never compete for the KV pool: a scenario of short rows gets a pool
 # for all of them at full length, a long one a pool of two full-length rows (engines share
 # one pool between requests too).
@@ -135,6 +139,7 @@ def configs(draw, base: ModelSpec, *, layer_ok: bool = True, vary_heads: bool = 
         next_n=draw(st.sampled_from(caps.next_n[::-1] if book else caps.next_n)), capture_sizes=sizes,
         max_pages_per_seq=pages, layer=layer, fp8_out=fp8_out, seed=draw(st.integers(0, 2**20)),
         pool_pages=pool_for(max(sizes), pages * page_size, page_size))
+    cfg.weights_seed = cfg.seed % WEIGHT_SEEDS
     if path in SPARSE_PATHS:
         cfg.sparse, cfg.indexer = True, path == "sparse+indexer"
         cfg.topk = draw(st.sampled_from(TOPK_TINY if base.num_heads <= 16 else (64, 2048)))

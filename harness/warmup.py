@@ -169,7 +169,7 @@ def _scenario(base, kv: str, q: str, heads: int, next_n: int, path: str, page: i
     from mla_fuzz.mla_ref import ModelSpec
 
     from .scenario import ScenarioConfig
-    from .strategies import TOPK_TINY, pool_for, token_budget
+    from .strategies import TOPK_TINY, WEIGHT_SEEDS, pool_for, token_budget
 
     spec = base if heads == base.num_heads else ModelSpec(**{**base.to_dict(), "num_heads": heads})
     pages = max(1, length // page)
@@ -178,7 +178,8 @@ def _scenario(base, kv: str, q: str, heads: int, next_n: int, path: str, page: i
     sizes = [SMALL, BIG]
     cfg = ScenarioConfig(spec=spec.to_dict(), kv_dtype=kv, q_dtype=q, page_size=page, next_n=next_n,
                          capture_sizes=sizes, max_pages_per_seq=pages, layer=path in ("layer", "layer+fp8_out"),
-                         fp8_out=path == "layer+fp8_out", seed=seed, pool_pages=pool_for(BIG, pages * page, page))
+                         fp8_out=path == "layer+fp8_out", seed=seed, pool_pages=pool_for(BIG, pages * page, page),
+                         weights_seed=seed % WEIGHT_SEEDS)
     if path.startswith("sparse"):
         topks = TOPK_TINY if base.num_heads <= 16 else (64, 2048)
         cfg.sparse, cfg.indexer = True, path == "sparse+indexer"

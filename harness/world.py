@@ -19,9 +19,13 @@ every layer). Layer 0 is drawn exactly as a single-layer world is (older repro f
 the same bytes); layer ``l > 0`` gets its own cache contents and queries from seeds derived
 with ``layer_seed``, and in the layer path its own weights: layer 0's matrices with their rows
 rotated by a seeded amount (a copy, where fresh Gaussian weights cost seconds a layer at
-DeepSeek-V3 size). The device indexer's weights are shared (the backend takes one set).
+DeepSeek-V3 size). Layer 0's weights are drawn from ``cfg.weights_seed`` (one of a few sets,
+each drawn once per process, ``layer_weights``; older repro files: the scenario seed). The
+device indexer's weights are shared (the backend takes one set).
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -58,6 +62,26 @@ def rotated_weights(w: "mla_ref.MLALayerWeights", seed: int) -> "mla_ref.MLALaye
     return type(w)(**out)
 
 
+#: (spec, seed, dtype, device) -> the layer weights drawn for them, most recently used last
+_WEIGHTS: "OrderedDict[tuple, mla_ref.MLALayerWeights]" = OrderedDict()
+#: weight sets a process keeps (at DeepSeek-V3 size 375 MB each in bf16, on the scenario's device)
+WEIGHTS_KEPT = 2
+
+
+def layer_weights(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.device) -> "mla_ref.MLALayerWeights":
+    """``mla_ref.MLALayerWeights.random(spec, seed, dtype, device)``, each set drawn once per
+    process (``WEIGHTS_KEPT`` kept): a copy of it, so a backend that writes into its weights
+    changes no other scenario's."""
+    key = (repr(spec), int(seed), dtype, str(device))
+    w = _WEIGHTS.pop(key, None)
+    if w is None:
+        w = mla_ref.MLALayerWeights.random(spec, seed, dtype=dtype, device=device)
+    _WEIGHTS[key] = w
+    while len(_WEIGHTS) > WEIGHTS_KEPT:
+        _WEIGHTS.popitem(last=False)
+    return type(w)(**{name: t.clone() for name, t in vars(w).items()})
+
+
 class World:
     """KV pool, weights and input buffers for one scenario on one device."""
 
@@ -85,7 +109,8 @@ class World:
         self.kv_pool.copy_(self.clean_pool)
         self.layer_weights = None
         if cfg.layer:
-            w0 = mla_ref.MLALayerWeights.random(self.spec, cfg.seed, dtype=self.q_dtype, device=self.device)
+            w0 = layer_weights(self.spec, cfg.seed if cfg.weights_seed is None else cfg.weights_seed,
+                               self.q_dtype, self.device)
             self.layer_weights = [w0] + [rotated_weights(w0, layer_seed(cfg.seed, i)) for i in range(1, self.layers)]
         self.weights = None if self.layer_weights is None else self.layer_weights[0]
         self.indexer = (mla_ref.IndexerWeights.random(self.spec, cfg.seed, device=self.device)
