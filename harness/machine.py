@@ -68,9 +68,6 @@ class Campaign:
     # (Hypothesis starts every block with it; later blocks skip it)
     zero_configs: dict = field(default_factory=dict)
     block_zero: dict | None = None  # the first config the current block ran
-    # scenarios of the current block that ran every step, and steps the backend declined in it
-    block_ran: int = 0
-    block_declined: int = 0
     # Seconds shrinking may take after the first failure (None: Hypothesis' own bound).
     shrink_seconds: float | None = None
     # Called with (config, steps so far) right before each step runs, so a supervising
@@ -138,7 +135,6 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
             self._batch_strategies: dict = {}
             self.shrinking = False
             self.closeness = 0.0
-            self.declined = False
 
         def _batches(self, rows: int, short: bool = False, long: bool = False, mdl: int | None = None,
                      exact: bool = False):
@@ -225,8 +221,6 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                 fn()
             except StepUnsupported as u:
                 c.count("unsupported", u.reason if u.declared else f"{u.reason} (plain NotImplementedError)")
-                c.block_declined += 1
-                self.declined = True
                 reject()
             except OracleFailure as f:
                 if f.oracle != "bounds" and is_cuda_error(f.message):
@@ -295,8 +289,6 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                        "poison": data.draw(st.booleans(), label="poison")})
 
         def teardown(self):
-            if not self.shrinking and self.steps and not self.declined:
-                c.block_ran += 1
             if not self.shrinking and self.steps:
                 # steer the search (Hypothesis' target phase) towards scenarios whose outputs
                 # came nearer the tolerance and whose steps ran more distinct batch shapes
@@ -337,7 +329,6 @@ def plan_blocks(paths: tuple, seed: int, max_examples: int, book: bool = True) -
         take = min(BOOK_EXAMPLES, left)
         blocks.append((opening, paths[(off + i) % n], take))
         left -= take
-    off += len(blocks)  # the first random block takes the path after the book's last
     while left > 0:
         # blocks grow each round through the paths (10, 20, 40): short ones reach every path
         # soon, longer ones give Hypothesis' mutation and target phases room
@@ -363,18 +354,12 @@ def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, sh
     c.shrink_seconds = shrink_seconds
     settle(c.backend_cls)
     phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target] + ([Phase.shrink] if shrink else [])
-    paths = campaign_paths(c)
-    declined: set = set()  # paths the backend declined wholesale: later blocks go to the next path
-    for opening, path, examples, block_seed in plan_blocks(paths, seed, max_examples, book):
-        live = [p for p in paths[paths.index(path):] + paths[:paths.index(path)] if p not in declined]
-        if not live:
-            break
-        path = live[0]
+    for opening, path, examples, block_seed in plan_blocks(campaign_paths(c), seed, max_examples, book):
         s = settings(max_examples=examples, deadline=None, database=database, phases=phases,
                      stateful_step_count=BOOK_EXTRA_STEPS if opening is not None else step_count,
                      report_multiple_bugs=False, derandomize=False, print_blob=False,
                      verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))
-        c.block_zero, c.block_ran, c.block_declined = None, 0, 0
+        c.block_zero = None
         try:
             run_state_machine_as_test(hypothesis_seed(block_seed)(make_machine(c, path, opening)), settings=s)
         except FuzzFailure as f:
@@ -383,11 +368,6 @@ def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, sh
             return c.latest_failure
         except Unsatisfiable:
             pass  # every scenario of this block was declined or skipped: the counts say so
-        if opening is None and c.block_ran == 0 and c.block_declined > 0:
-            # a whole random block declined (a sparse backend without a device indexer): the
-            # reasons are in the counts; its turns go to the next path the backend takes
-            declined.add(path)
-            c.stats.setdefault("declined_paths", []).append(path)
         if opening is None and path not in c.zero_configs and c.block_zero is not None:
             c.zero_configs[path] = c.block_zero
     return None

@@ -122,7 +122,9 @@ def dimensions(backend_cls, spec: str, device: str, narrow: dict | None = None,
     next_n = tuple(dict.fromkeys((min(caps.next_n), max(caps.next_n))))
     # the head count and next_n together: the query rows per request, which pick the kernel's block
     shapes = [(h, n) for h in heads for n in next_n]
-    paths = paths_allowed(supports_layer(backend_cls) and caps.layer, supports_sparse(backend_cls) and caps.sparse)
+    paths = []
+    for p in paths_allowed(supports_layer(backend_cls) and caps.layer, supports_sparse(backend_cls) and caps.sparse):
+        paths += ["sparse", "sparse+indexer"] if p == "sparse" else [p]
     pages = (64,) if big else (4, 16, 64)
     if caps.page_sizes is not None:
         pages = tuple(p for p in pages if p in caps.page_sizes) or caps.page_sizes

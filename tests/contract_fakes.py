@@ -277,18 +277,3 @@ class OomWhileShrinking(OpBackend):
             if not _FAILED_ONCE:
                 _FAILED_ONCE.append(True)
             raise ValueError("three rows are one too many")
-
-
-class NoDeviceIndexer(OpBackend):
-    """Declares sparse batches but declines every one, as a backend whose sparse kernel is not
-    written yet would: the search must hand those paths' turns to the paths it takes."""
-
-    name = "no-device-indexer"
-    capabilities = Capabilities(sparse=True, layer=False)
-
-    def __init__(self, spec, *, topk_max=None, indexer=None, **kw):
-        super().__init__(spec, **kw)
-
-    def check(self, batch):
-        if batch.is_sparse:
-            raise Unsupported("sparse decode is not written yet")

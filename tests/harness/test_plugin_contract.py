@@ -261,15 +261,3 @@ def test_pytest_plugin_usage_errors_are_one_line(args, text, tmp_path):
     r = _pytest(args, tmp_path)
     assert r.returncode == 4, r.stdout + r.stderr  # pytest's usage-error exit code
     assert text in r.stderr and "Traceback" not in r.stderr + r.stdout, r.stderr
-
-
-def test_a_path_declined_wholesale_gives_its_turns_to_the_others():
-    """A backend that takes sparse batches on paper but declines every one: after one random
-    block of each sparse path is declined whole, their later blocks run the attention path.
-    Rotating on, the sparse paths would take about two examples in three."""
-    r = fuzz("contract_fakes:NoDeviceIndexer", spec="tiny", graph_mode="emulated", examples=80, seed=2,
-             shrink=False)
-    assert not r.failed, r.repro and r.repro["failure"]
-    assert r.unsupported.get("sparse decode is not written yet", 0) > 0
-    # the book (at most 3 openings on sparse paths) and one block of 10 per sparse path declined
-    assert r.coverage["path"]["attention"] >= 80 - 3 * 2 - 2 * 10, r.coverage["path"]
