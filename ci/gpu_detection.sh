@@ -13,7 +13,8 @@
 # PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold);
 # EXTRA="--only a,b" adds arguments to every matrix.
 # Each json row has seconds_to_detect (from the command's start) and row_started_s (when a
-# worker took the row). Logs and json land in OUTDIR.
+# worker took the row). Logs and json land in OUTDIR; benchmarks/gpu_detection_summary.py
+# turns one or more OUTDIRs into the summary json kept under benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash ci/gpu_detection.sh OUTDIR [WORKERS]}
