@@ -343,6 +343,24 @@ def plan_blocks(paths: tuple, seed: int, max_examples: int, book: bool = True) -
     return out
 
 
+def _forget(machine: type) -> None:
+    """Let a finished block's machine class hold nothing of its campaign. Hypothesis keeps
+    every state-machine class it ran (``RuleBasedStateMachine._setup_state_per_class``, and
+    its strategy cache holds the rules), and each block's class closes over its campaign,
+    whose failures' tracebacks hold the scenarios' runners: a worker kept every fuzz call's
+    failing scenarios alive, GPU tensors included (4.5 GB after one 12-example DeepSeek-V3 row
+    on an H200), and its neighbours ran out of memory. So the class leaves Hypothesis' cache
+    and its methods' closure cells (the campaign, the block's strategies) are emptied: the
+    class is never run again. ``tests/harness/test_search_plan.py`` checks that nothing of a
+    campaign outlives it."""
+    cache = getattr(RuleBasedStateMachine, "_setup_state_per_class", None)
+    if isinstance(cache, dict):
+        cache.pop(machine, None)
+    for member in vars(machine).values():
+        for cell in getattr(getattr(member, "__func__", member), "__closure__", None) or ():
+            cell.cell_contents = None
+
+
 def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, shrink: bool = True,
            database=None, shrink_seconds: float | None = None, book: bool = True) -> FuzzFailure | None:
     """Run up to ``max_examples`` scenarios seeded by ``seed``: the opening book, then random
@@ -360,14 +378,17 @@ def search(c: Campaign, *, max_examples: int, seed: int, step_count: int = 6, sh
                      report_multiple_bugs=False, derandomize=False, print_blob=False,
                      verbosity=Verbosity.quiet, suppress_health_check=list(HealthCheck))
         c.block_zero = None
+        machine = make_machine(c, path, opening)
         try:
-            run_state_machine_as_test(hypothesis_seed(block_seed)(make_machine(c, path, opening)), settings=s)
+            run_state_machine_as_test(hypothesis_seed(block_seed)(machine), settings=s)
         except FuzzFailure as f:
             return f
         except ShrinkTimeUp:
             return c.latest_failure
         except Unsatisfiable:
             pass  # every scenario of this block was declined or skipped: the counts say so
+        finally:
+            _forget(machine)
         if opening is None and path not in c.zero_configs and c.block_zero is not None:
             c.zero_configs[path] = c.block_zero
     return None

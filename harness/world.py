@@ -62,24 +62,26 @@ def rotated_weights(w: "mla_ref.MLALayerWeights", seed: int) -> "mla_ref.MLALaye
     return type(w)(**out)
 
 
-#: (spec, seed, dtype, device) -> the layer weights drawn for them, most recently used last
+#: (spec, seed, dtype) -> the layer weights drawn for them, in host memory, most recently used last
 _WEIGHTS: "OrderedDict[tuple, mla_ref.MLALayerWeights]" = OrderedDict()
-#: weight sets a process keeps (at DeepSeek-V3 size 375 MB each in bf16, on the scenario's device)
+#: weight sets a process keeps (at DeepSeek-V3 size 375 MB each in bf16), in host memory: a
+#: worker's GPU memory between scenarios is its neighbours'
 WEIGHTS_KEPT = 2
 
 
 def layer_weights(spec: ModelSpec, seed: int, dtype: torch.dtype, device: torch.device) -> "mla_ref.MLALayerWeights":
     """``mla_ref.MLALayerWeights.random(spec, seed, dtype, device)``, each set drawn once per
-    process (``WEIGHTS_KEPT`` kept): a copy of it, so a backend that writes into its weights
-    changes no other scenario's."""
-    key = (repr(spec), int(seed), dtype, str(device))
+    process (``WEIGHTS_KEPT`` kept, on the host): a copy of it on ``device``, so a backend that
+    writes into its weights changes no other scenario's."""
+    key = (repr(spec), int(seed), dtype)
     w = _WEIGHTS.pop(key, None)
     if w is None:
-        w = mla_ref.MLALayerWeights.random(spec, seed, dtype=dtype, device=device)
+        w = mla_ref.MLALayerWeights.random(spec, seed, dtype=dtype, device="cpu")
     _WEIGHTS[key] = w
     while len(_WEIGHTS) > WEIGHTS_KEPT:
         _WEIGHTS.popitem(last=False)
-    return type(w)(**{name: t.clone() for name, t in vars(w).items()})
+    device = torch.device(device)
+    return type(w)(**{name: t.clone() if device.type == "cpu" else t.to(device) for name, t in vars(w).items()})
 
 
 class World:

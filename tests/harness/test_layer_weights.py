@@ -3,6 +3,7 @@ once per process) or, for older repro files, from the scenario seed; every scena
 own copy."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -51,3 +52,13 @@ def test_drawn_configs_name_one_of_the_weight_sets(data):
     cfg = data.draw(configs(TINY, max_seq_len=64, sparse_ok=True))
     assert cfg.weights_seed == cfg.seed % WEIGHT_SEEDS
     assert ScenarioConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.gpu
+def test_gpu_weights_are_the_bytes_drawn_on_the_device(cuda_device):
+    """The set kept in host memory and copied to the GPU is what ``MLALayerWeights.random``
+    draws for the GPU itself (same seed, same bytes)."""
+    w = World(_cfg(weights_seed=1), cuda_device).weights
+    drawn = MLALayerWeights.random(TINY, 1, dtype=torch.bfloat16, device=cuda_device)
+    assert all(t.device.type == "cuda" for t in vars(w).values())
+    assert _same(w, drawn)

@@ -112,3 +112,25 @@ def test_a_short_campaign_draws_every_path():
         paths[value.split("+indexer")[0]] += n
     assert set(paths) == set(PATHS) and min(paths.values()) >= 2, paths
     assert sum(paths.values()) == report.examples
+
+
+def test_nothing_of_a_campaign_outlives_it():
+    """A worker runs fuzz call after fuzz call: the scenarios of a finished call (their KV
+    pools, weights and graphs: GBs at DeepSeek-V3 size) must be garbage once it returns, a
+    found failure's included."""
+    import gc
+
+    from mla_fuzz.harness.executor import ScenarioRunner
+    from mla_fuzz.harness.machine import Campaign
+    from mla_fuzz.harness.world import World
+
+    def alive() -> tuple:
+        gc.collect()
+        objs = gc.get_objects()
+        return tuple(sum(isinstance(o, t) for o in objs) for t in (Campaign, ScenarioRunner, World))
+
+    before = alive()
+    found = fuzz("mutant:example-seq-lens-fresh", graph_mode="emulated", examples=6, seed=0, shrink_seconds=5)
+    assert found.failed
+    fuzz("triton", graph_mode="emulated", examples=3, seed=1, shrink=False)
+    assert alive() == before
