@@ -34,6 +34,9 @@ L. (scenarios of several layers per step) every layer run alone, on the same ste
 4. the failing step eager without padding rows: if it passes, padded rows influence
    real rows -> padding-leak (for an access out of bounds: padded rows send the kernel
    outside its tensors -> out-of-bounds);
+R. (replay/eager divergence) the eager forward that checks the replay given a build of its
+   own instead of the replay's: if the failure disappears, a forward changes what a second
+   forward on its build reads -> layer-state;
 5. otherwise a replay/eager divergence -> stale-address (a tensor read by the graph that
    the audit could not see), an eager/reference divergence -> numerical, an access out of
    bounds -> out-of-bounds.
@@ -159,6 +162,15 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                              "padding rows: padded rows influence real rows (e.g. an uninitialised padded output "
                              "entering a batch-wide reduction). " + failure.message, o)
 
+    # R. the eager forward that checks a replay runs on the replay's own build, after it: when
+    # that forward agrees with the replay on a build of its own, the replay's forward changed
+    # what a second forward on the same build reads
+    if o == "replay-eager" and run_steps(backend_cls, cfg, upto, graph_mode, device, eager_own_build=True) is None:
+        return Diagnosis("layer-state", f"the eager forward that checks step {k}'s replay ran on the replay's own "
+                         "build and disagrees with it; on a build of its own the same eager forward agrees: the "
+                         "forward changes metadata (or state) that a second forward on the same build reads, as "
+                         "every later attention layer of an engine's step does, and warmups sharing a build (a "
+                         "length rewritten in place, two metadata fields sharing memory). " + failure.message, o)
     if o == "replay-eager":
         return Diagnosis("stale-address", "replay diverges from an eager forward of the same batch although the "
                          "metadata audit saw stable addresses: the graph reads a tensor the audit cannot see "

@@ -103,10 +103,14 @@ class ScenarioRunner:
     instead of only those viewing the builder's metadata. ``capture_build``: let capture
     steps call the backend's ``build_for_capture`` when it has one (the diagnosis turns it
     off to tell a capture path that diverges from the replay path). ``layers``: the layer
-    indices a forward runs (default all ``cfg.layers``; the diagnosis runs one alone)."""
+    indices a forward runs (default all ``cfg.layers``; the diagnosis runs one alone).
+    ``eager_own_build``: the eager forward that checks a replay gets a build of its own
+    instead of the replay's (the diagnosis: does a forward change what a second forward on
+    its build reads?)."""
 
     def __init__(self, backend_cls, cfg: ScenarioConfig, graph_mode: str = "auto", device=None,
-                 strict_contiguity: bool = False, capture_build: bool = True, layers=None):
+                 strict_contiguity: bool = False, capture_build: bool = True, layers=None,
+                 eager_own_build: bool = False):
         cfg.validate()
         self.active = tuple(range(cfg.layers)) if layers is None else tuple(int(i) for i in layers)
         if not self.active or any(not 0 <= i < cfg.layers for i in self.active):
@@ -135,6 +139,7 @@ class ScenarioRunner:
             self.layer = self.stack[self.active[0]]
         self.strict_contiguity = strict_contiguity
         self.capture_build = capture_build
+        self.eager_own_build = eager_own_build
         self.captures: dict[int, Captured] = {}
         # coverage notes of the steps run so far ((key, value, amount)), drained by the search
         self._notes: list[tuple] = []
@@ -522,8 +527,9 @@ class ScenarioRunner:
         after = self.world.kv_pool.clone()
         self.world.kv_pool.copy_(before)
         log = OpLog()
+        check_meta = self._build(self.backend.build, batch) if self.eager_own_build else meta
         try:
-            raw = self._audited(lambda: self._forward(q, hidden, positions, meta), log)
+            raw = self._audited(lambda: self._forward(q, hidden, positions, check_meta), log)
             self._shared = sorted(set(self._shared) | set(self._shared_outputs(raw)))
             eager = [t.clone() for t in raw]
             del raw
@@ -654,13 +660,16 @@ def _release(graph) -> None:
 
 
 def run_steps(backend_cls, cfg: ScenarioConfig, steps: list[dict], graph_mode: str = "auto", device=None,
-              strict_contiguity: bool = False, capture_build: bool = True, layers=None) -> OracleFailure | None:
+              strict_contiguity: bool = False, capture_build: bool = True, layers=None,
+              eager_own_build: bool = False) -> OracleFailure | None:
     """Run a whole scenario; the first oracle failure (or None). A step the backend declines
     (``StepUnsupported``) ends the run as a pass: nothing wrong was seen. ``layers``: the
-    layer indices each forward runs (default: all of ``cfg.layers``)."""
+    layer indices each forward runs (default: all of ``cfg.layers``); ``eager_own_build``:
+    as ``ScenarioRunner``'s."""
     runner = None
     try:
-        runner = ScenarioRunner(backend_cls, cfg, graph_mode, device, strict_contiguity, capture_build, layers)
+        runner = ScenarioRunner(backend_cls, cfg, graph_mode, device, strict_contiguity, capture_build, layers,
+                                eager_own_build)
         for step in steps:
             runner.apply(step)
     except OracleFailure as f:
