@@ -47,7 +47,7 @@ import copy
 from dataclasses import asdict, dataclass
 
 from .audit import OpLog
-from .executor import ScenarioRunner, run_steps
+from .executor import ScenarioRunner, StepUnsupported, run_steps
 from .oracles import OracleFailure
 from .scenario import ScenarioConfig
 
@@ -165,12 +165,17 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
     # R. the eager forward that checks a replay runs on the replay's own build, after it: when
     # that forward agrees with the replay on a build of its own, the replay's forward changed
     # what a second forward on the same build reads
-    if o == "replay-eager" and run_steps(backend_cls, cfg, upto, graph_mode, device, eager_own_build=True) is None:
-        return Diagnosis("layer-state", f"the eager forward that checks step {k}'s replay ran on the replay's own "
-                         "build and disagrees with it; on a build of its own the same eager forward agrees: the "
-                         "forward changes metadata (or state) that a second forward on the same build reads, as "
-                         "every later attention layer of an engine's step does, and warmups sharing a build (a "
-                         "length rewritten in place, two metadata fields sharing memory). " + failure.message, o)
+    if o == "replay-eager":
+        rewritten = _rewritten_by_forward(backend_cls, cfg, upto, graph_mode, device)
+        if rewritten is not None:
+            fields = (f"After the replay, metadata field(s) {', '.join(rewritten)} no longer hold what build() "
+                      "writes for this batch: the forward changed them. " if rewritten else "")
+            return Diagnosis("layer-state", f"the eager forward that checks step {k}'s replay ran on the replay's "
+                             "own build and disagrees with it; on a build of its own the same eager forward agrees: "
+                             "the forward changes metadata (or state) that a second forward on the same build "
+                             "reads, as every later attention layer of an engine's step does, and warmups sharing a "
+                             "build (a length rewritten in place, two metadata fields sharing memory). " + fields
+                             + "Keep what a forward computes in scratch of its own. " + failure.message, o)
     if o == "replay-eager":
         return Diagnosis("stale-address", "replay diverges from an eager forward of the same batch although the "
                          "metadata audit saw stable addresses: the graph reads a tensor the audit cannot see "
@@ -189,6 +194,25 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                          "#38148). " + failure.message, o)
     return Diagnosis("numerical", "the backend's eager output disagrees with the reference beyond the dtype "
                      "tolerance, with no graph or padding involved. " + failure.message, o)
+
+
+def _rewritten_by_forward(backend_cls, cfg, steps: list[dict], graph_mode: str, device) -> list[str] | None:
+    """Experiment R: run ``steps`` with the replay's eager check on a build of its own. None
+    when it still fails; else the metadata fields the replay's forward left different from a
+    new build of the same batch (``ScenarioRunner.rewritten``; may be empty)."""
+    runner = None
+    try:
+        runner = ScenarioRunner(backend_cls, cfg, graph_mode, device, eager_own_build=True)
+        for s in steps:
+            runner.apply(s)
+        return list(runner.rewritten)
+    except OracleFailure:
+        return None
+    except StepUnsupported:
+        return None
+    finally:
+        if runner is not None:
+            runner.close()
 
 
 def _capture_for(steps: list[dict], failing: dict) -> int | None:

@@ -140,6 +140,9 @@ class ScenarioRunner:
         self.strict_contiguity = strict_contiguity
         self.capture_build = capture_build
         self.eager_own_build = eager_own_build
+        # with ``eager_own_build``: the metadata fields (paths) whose contents after the last
+        # replay differ from what a new build of the same batch writes
+        self.rewritten: list[str] = []
         self.captures: dict[int, Captured] = {}
         # coverage notes of the steps run so far ((key, value, amount)), drained by the search
         self._notes: list[tuple] = []
@@ -527,7 +530,13 @@ class ScenarioRunner:
         after = self.world.kv_pool.clone()
         self.world.kv_pool.copy_(before)
         log = OpLog()
-        check_meta = self._build(self.backend.build, batch) if self.eager_own_build else meta
+        check_meta = meta
+        if self.eager_own_build:
+            used = {p: t.clone() for p, t in tensor_fields(meta).items()}
+            check_meta = self._build(self.backend.build, batch)
+            fresh = tensor_fields(check_meta)
+            self.rewritten = sorted(p for p, t in used.items() if p in fresh and (
+                fresh[p].shape != t.shape or fresh[p].dtype != t.dtype or not torch.equal(fresh[p], t)))
         try:
             raw = self._audited(lambda: self._forward(q, hidden, positions, check_meta), log)
             self._shared = sorted(set(self._shared) | set(self._shared_outputs(raw)))

@@ -29,6 +29,8 @@ def test_a_forward_that_changes_its_build_is_layer_state():
     assert run_steps(ContextLensInPlace, CFG, STEPS, "emulated", eager_own_build=True) is None
     d = diagnose(ContextLensInPlace, CFG, STEPS, f, "emulated")
     assert d.cls == "layer-state" and "second forward on the same build" in d.explanation
+    # it names the field the forward changed, as the backend's author calls it
+    assert "metadata field(s) seq_lens no longer hold what build() writes" in d.explanation, d.explanation
 
 
 def test_the_clean_backend_passes_with_the_check_on_either_build():
