@@ -8,6 +8,7 @@ shrinks the rule sequence (and every drawn value) to a minimal program, and the
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, Verbosity, reject, seed as hypothesis_seed, settings, target
@@ -220,9 +221,11 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
             try:
                 fn()
             except StepUnsupported as u:
+                _clear_locals(u)
                 c.count("unsupported", u.reason if u.declared else f"{u.reason} (plain NotImplementedError)")
                 reject()
             except OracleFailure as f:
+                _clear_locals(f)
                 if f.oracle != "bounds" and is_cuda_error(f.message):
                     raise CudaContextLost(f"step {len(self.steps) - 1}: {f.message}") from None
                 key = failure_key(f)
@@ -297,8 +300,10 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                            s["batch"].get("max_decode_len"), s.get("size")) for s in self.steps}
                 target(float(len(shapes)), label="distinct batch shapes")
             if self.runner is not None:
+                # the machine itself lives on in Hypothesis' reference cycles (ScenarioRunner.close)
+                runner, self.runner = self.runner, None
                 try:
-                    self.runner.close()
+                    runner.close()
                 except Exception as e:
                     _lost_context(e, len(self.steps) - 1)
                     raise
@@ -341,6 +346,23 @@ def plan_blocks(paths: tuple, seed: int, max_examples: int, book: bool = True) -
         h = hashlib.blake2b(f"mla-fuzz-block:{seed}:{j}".encode(), digest_size=4).digest()
         out.append((opening, path, take, int.from_bytes(h, "little")))
     return out
+
+
+def _clear_locals(e: BaseException) -> None:
+    """Empty the finished frames of ``e``'s traceback and of the exceptions it chains (file
+    and line stay, for Hypothesis' grouping of failures): their locals are the scenario's
+    tensors (the KV pool before and after the step, the forward's outputs, the backend's
+    own), and the exception lives on in Hypothesis' reference cycles until a full garbage
+    collection (``ScenarioRunner.close``)."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if x.__traceback__ is not None:
+            traceback.clear_frames(x.__traceback__)  # the frame handling it is skipped: still running
+        todo += [x.__cause__, x.__context__]
 
 
 def _forget(machine: type) -> None:
