@@ -94,8 +94,4 @@ EXPECTED = {
 #: oracle looks at, so ``mla-fuzz mutants --graph cuda`` lists them as not applicable.
 INTERPRETER_ONLY = frozenset({"example-padded-page-minus-one"})
 
-#: Mutants not yet in a GPU matrix (the README's table is one GPU run, row for row): added when
-#: no device time was left; ``mla-fuzz mutants --graph cuda`` runs them like any other.
-NOT_YET_ON_GPU = frozenset({"context-lens-in-place"})
-
-__all__ = ["ALL", "EXPECTED", "INTERPRETER_ONLY", "NOT_YET_ON_GPU"] + [c.__name__ for c in ALL.values()]
+__all__ = ["ALL", "EXPECTED", "INTERPRETER_ONLY"] + [c.__name__ for c in ALL.values()]
