@@ -223,6 +223,8 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
             except StepUnsupported as u:
                 _clear_locals(u)
                 c.count("unsupported", u.reason if u.declared else f"{u.reason} (plain NotImplementedError)")
+                if not self.shrinking:  # a declined scenario is not a searched example (Hypothesis' count too)
+                    c.stats["examples"] -= 1
                 reject()
             except OracleFailure as f:
                 _clear_locals(f)
