@@ -44,7 +44,7 @@ from pathlib import Path
 from .crash_repro import StepReducer, crash_repro
 from .pool import Pool, exit_text
 from .repro import signature, write_repro
-from .scenario import ScenarioConfig, add_note, scenario_coverage, step_coverage
+from .scenario import ScenarioConfig, add_note, scenario_coverage, step_coverage, withdraw_notes
 from .throttle import OomThrottle
 
 DEFAULT_CHUNK = 100
@@ -300,6 +300,12 @@ class _Live:
     def note(self, notes) -> None:
         for key, value in notes:
             add_note(self.coverage, key, value)
+
+    def declined(self, cfg) -> None:
+        """The scenario last announced was declined by the backend: not a searched example."""
+        self.examples -= 1
+        if cfg is not None:
+            withdraw_notes(self.coverage, scenario_coverage(cfg))
 
 
 class CampaignRun:
@@ -666,7 +672,9 @@ class CampaignRun:
                     cfg = ScenarioConfig.from_dict(ev.msg["cfg"])
                 except (KeyError, TypeError, ValueError):
                     cfg = None
-                if ev.msg.get("steps"):
+                if ev.msg.get("declined"):
+                    live.declined(cfg)
+                elif ev.msg.get("steps"):
                     live.steps += 1
                     if cfg is not None:
                         live.note(step_coverage(cfg, ev.msg["steps"][-1]))

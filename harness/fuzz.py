@@ -115,7 +115,7 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
          seed: int = 0, budget_s: float | None = None, device: str | None = None, shrink: bool = True,
          step_count: int = 6, max_seq_len: int | None = None, strict_contiguity: bool = False,
          on_step=None, shrink_seconds: float | None = None, should_stop=None, on_phase=None,
-         narrow: dict | None = None, known=(), on_found=None) -> FuzzReport:
+         narrow: dict | None = None, known=(), on_found=None, on_declined=None) -> FuzzReport:
     """Search ``backend_ref`` for up to ``examples`` scenarios (or ``budget_s`` seconds).
 
     Returns a ``FuzzReport``; when a failure is found its minimal repro (with diagnosis)
@@ -128,7 +128,9 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     before the diagnosis re-runs (``"diagnose"``), ``on_found(repro, info)`` the moment the
     first failure is seen, before shrinking: ``repro`` is its unshrunk, undiagnosed repro
     (``search.unshrunk`` true; it replays to the same failure) and ``info`` has
-    ``examples_to_detect`` and ``seconds_to_detect`` (from this call's start).
+    ``examples_to_detect`` and ``seconds_to_detect`` (from this call's start);
+    ``on_declined(cfg)`` when the backend declined a step of the scenario ``on_step`` announced
+    (it is not one of the searched examples).
     """
     spec = ModelSpec.from_name(spec) if isinstance(spec, str) else spec
     backend_cls = load_backend(backend_ref)
@@ -141,7 +143,7 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
                     max_seq_len=max_seq_len or default_max_seq_len(spec, device),
                     page_sizes=(64,) if big else (4, 16, 64), vary_heads=not big,
                     strict_contiguity=strict_contiguity, on_step=on_step,
-                    should_stop=should_stop, caps=caps, known=frozenset(known or ()))
+                    should_stop=should_stop, caps=caps, known=frozenset(known or ()), on_declined=on_declined)
     t0 = time.monotonic()
     if budget_s is not None:
         camp.deadline = t0 + budget_s

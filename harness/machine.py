@@ -23,7 +23,7 @@ from .book import BOOK, BOOK_EXAMPLES, BOOK_EXTRA_STEPS, Opening
 from .executor import ScenarioRunner, StepUnsupported, raise_if_environment_oom
 from .loading import supports_layer, supports_sparse
 from .oracles import OracleFailure, failure_key, take_closeness
-from .scenario import ScenarioConfig, add_note, scenario_coverage, spec_family, step_coverage
+from .scenario import ScenarioConfig, add_note, scenario_coverage, spec_family, step_coverage, withdraw_notes
 from .settle import settle
 from .strategies import batch_draws, configs, paths_allowed, short_bound
 
@@ -79,6 +79,9 @@ class Campaign:
     # Called once with the first ``FuzzFailure`` the moment it is seen (unshrunk), before
     # shrinking starts, so a supervisor can report it at once; an error in it is ignored.
     on_found: object = None
+    # Called with the config of a scenario the backend declined (not shrinking): the example
+    # announced by ``on_step(cfg, [])`` does not count (its scenario coverage is taken back).
+    on_declined: object = None
 
     def note(self, key: str, value, amount: int = 1) -> None:
         add_note(self.stats["coverage"], key, str(value), amount)
@@ -225,6 +228,9 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                 c.count("unsupported", u.reason if u.declared else f"{u.reason} (plain NotImplementedError)")
                 if not self.shrinking:  # a declined scenario is not a searched example (Hypothesis' count too)
                     c.stats["examples"] -= 1
+                    withdraw_notes(c.stats["coverage"], [(k, str(v)) for k, v in scenario_coverage(self.cfg)])
+                    if c.on_declined is not None:
+                        c.on_declined(self.cfg)
                 reject()
             except OracleFailure as f:
                 _clear_locals(f)

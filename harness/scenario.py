@@ -150,6 +150,20 @@ def add_note(cov: dict, key: str, value: str, amount: int = 1) -> None:
     d[value] = d.get(value, 0) + int(amount)
 
 
+def withdraw_notes(cov: dict, notes) -> None:
+    """Take back notes ``(key, value)`` that ``add_note`` counted once each (a scenario the
+    backend declined is not a searched example); ``MAX_KEYS`` stay (the largest seen)."""
+    for key, value in notes:
+        d = cov.get(key)
+        if key in MAX_KEYS or not d or value not in d:
+            continue
+        d[value] -= 1
+        if d[value] <= 0:
+            del d[value]
+        if not d:
+            del cov[key]
+
+
 def spec_family(spec: dict) -> str:
     """``tiny`` (any head count), ``deepseek-v3`` or ``custom``: how coverage names a spec."""
     from mla_fuzz.mla_ref import ModelSpec

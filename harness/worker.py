@@ -130,10 +130,16 @@ def _fuzz_task(task: dict) -> dict:
         _check_parent()
         send({"t": "found", "task": tid, "repro": repro, "time": time.time(), **info})
 
+    def on_declined(cfg) -> None:
+        # the scenario just announced does not count: the parent's live counts take it back
+        send({"t": "step", "task": tid, "cfg": cfg.to_dict(), "steps": [], "declined": True, "time": time.time(),
+              "shrinking": False})
+
     report = fuzz_mod.fuzz(task["backend"], spec=task.get("spec", "tiny"), graph_mode=task.get("graph", "auto"),
                            examples=int(task["examples"]), seed=int(task["seed"]), budget_s=budget_s,
                            shrink=bool(task.get("shrink", True)), on_step=on_step, on_phase=on_phase,
-                           should_stop=lambda: _STOP, on_found=on_found, shrink_seconds=task.get("shrink_seconds"),
+                           should_stop=lambda: _STOP, on_found=on_found, on_declined=on_declined,
+                           shrink_seconds=task.get("shrink_seconds"),
                            narrow=task.get("narrow") or None, known=task.get("known") or (),
                            strict_contiguity=bool(task.get("strict_contiguity")),
                            max_seq_len=task.get("max_seq_len"))

@@ -17,6 +17,8 @@ purpose, only on some inputs, so the fuzzer has to find them:
   death that a later replay does not reproduce, like a neighbour's GPU fault under MPS;
 - ``FlakyOnceBackend``: wrong outputs in a few forwards per process (a failure that does not
   reproduce while being shrunk);
+- ``DecliningBackend``: clean, but declines (``mla_ref.Unsupported``) every batch of
+  16-token pages: a third of the scenarios, which are then not searched examples;
 - ``EnvProbeBackend``: clean; appends ``$CUDA_MPS_PIPE_DIRECTORY`` of its process to the
   file named by ``$MLA_FUZZ_TEST_ENVLOG`` (which environment did the worker get?).
 """
@@ -63,6 +65,15 @@ class RefBackend:
     @staticmethod
     def empty_real_row(metadata) -> bool:
         return 0 in metadata["seq_lens"][: metadata["real"]].tolist()
+
+
+class DecliningBackend(RefBackend):
+    name = "declining"
+
+    def build(self, batch):
+        if batch.page_size == 16:
+            raise mla_ref.Unsupported("16-token pages")
+        return super().build(batch)
 
 
 class AbortBackend(RefBackend):

@@ -148,3 +148,20 @@ def test_run_says_it_at_once_then_shrinks(tmp_path, capsys, monkeypatch):
     code, out, _ = _run(["replay", str(saved), "--json", str(tmp_path / "rp.json")], capsys)
     assert code == 1 and "unshrunk" in out, out
     assert json.loads((tmp_path / "rp.json").read_text())["outcomes"][0]["oracle"] == f["oracle"]
+
+
+def test_declined_scenarios_are_not_searched_examples(tmp_path, fakes, capsys, monkeypatch):
+    """A backend that declines a third of the scenarios: the report's examples and coverage,
+    and the live counts on the way, count only the scenarios it took (the declined ones are
+    under ``unsupported``)."""
+    display = record_display(monkeypatch)
+    report = tmp_path / "r.json"
+    code, out, err = _run(["run", "--backend", "cli_fakes:DecliningBackend", "--graph", "eager", "--examples", "12",
+                           "--seed", "0", "--workers", "1", "--json", str(report)], capsys)
+    rep = json.loads(report.read_text())
+    assert code == 0, out + err
+    assert rep["unsupported"].get("16-token pages", 0) > 0
+    assert 0 < rep["examples"] <= 12
+    pages = rep["coverage"]["page_size"]
+    assert "16" not in pages and sum(pages.values()) == rep["examples"]
+    assert display.counts and all(c <= rep["examples"] for c, _ in display.counts)

@@ -61,3 +61,4 @@ def test_example_without_its_limits_declares_unsupported_not_findings(name, monk
     assert declined > 0 and all("plain NotImplementedError" not in k for k in r.unsupported)
     # a scenario the backend declined is not a searched example: the count is what ran
     assert r.examples + declined == len(drawn) and 0 < r.examples <= 10
+    assert sum(r.coverage["kv_dtype"].values()) == r.examples  # coverage counts the same examples
