@@ -297,7 +297,10 @@ class TritonMLABackend:
         """Where this step's per-token context lengths go: ``[pad, width]`` int32, a
         contiguous prefix view of the flat buffer (the kernel indexes it flat)."""
         if not self.graph_safe:
-            return torch.empty(pad, width, dtype=torch.int32, device=self.device)
+            # fresh, but shaped like the persistent buffer: the planner and token_context read
+            # it flat, pad * next_n_max elements, whatever this step's width
+            flat = torch.zeros(pad * self.next_n_max, dtype=torch.int32, device=self.device)
+            return flat[: pad * width].view(pad, width)
         return self._flat_view("ctx_lens", (pad, width))
 
     # ------------------------------------------------------------------ build

@@ -172,6 +172,25 @@ def test_ragged_backend_sequence_matches_reference(seed, kv):
         assert_decode_close(out[:B], lse[:B], *ref, tol=TOL_INTERP[case.q.dtype], what=f"step {step} seq={seq}")
 
 
+def test_ragged_backend_without_graph_safe_buffers_and_fewer_tokens_than_next_n():
+    """``graph_safe=False`` (fresh tensors every build): a step whose requests carry fewer
+    query tokens than ``next_n`` (``max_decode_len`` 1 of 2) still matches the reference. The
+    per-token context lengths are read flat, ``pad * next_n`` of them, whatever the step's
+    width (found by ``mla-fuzz run --graph eager``, seed 3: the view had ``pad * width``)."""
+    spec = ModelSpec.tiny(num_heads=2)
+    be = sparse_backend(spec, graph_safe=False)
+    gen = torch.Generator().manual_seed(3)
+    case = make_case(spec, seq_lens=[9, 30], q_lens=[1, 1], s_q=2, page_size=4, kv_dtype="bf16", seed=3)
+    batch = ragged_batch(case, next_n=2, topk=8, pad_to=4, gen=gen)
+    md = be.build(batch)
+    assert tuple(md.ctx_lens.shape) == (4, 1) and md.ctx_lens.is_contiguous()
+    out, lse = be.forward(padded(case.q, 4), case.kv_cache, md)
+    ref = mla_ref.mla_decode(case.q, case.kv_cache, case.block_table, case.seq_lens, spec=spec,
+                             q_lens=case.q_lens, indices=batch.dense_topk())
+    assert_decode_close(out[:2], lse[:2], *ref, tol=TOL_INTERP[torch.bfloat16])
+    assert (out[2:] == 0).all() and torch.isneginf(lse[2:]).all()
+
+
 def test_ragged_batch_validation_and_roundtrip():
     spec = ModelSpec.tiny(num_heads=2)
     case = make_case(spec, seq_lens=[5, 3], q_lens=[2, 1], s_q=2, page_size=4, kv_dtype="bf16")
