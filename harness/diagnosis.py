@@ -34,9 +34,10 @@ L. (scenarios of several layers per step) every layer run alone, on the same ste
 4. the failing step eager without padding rows: if it passes, padded rows influence
    real rows -> padding-leak (for an access out of bounds: padded rows send the kernel
    outside its tensors -> out-of-bounds);
-R. (replay/eager divergence) the eager forward that checks the replay given a build of its
-   own instead of the replay's: if the failure disappears, a forward changes what a second
-   forward on its build reads -> layer-state;
+R. (replay/eager divergence, or an eager forward run twice disagreeing with itself) the
+   second forward (the eager check of the replay, the determinism oracle's re-run) given a
+   build of its own instead of the first forward's: if the failure disappears, a forward
+   changes what a second forward on its build reads -> layer-state;
 5. otherwise a replay/eager divergence -> stale-address (a tensor read by the graph that
    the audit could not see), an eager/reference divergence -> numerical, an access out of
    bounds -> out-of-bounds.
@@ -165,13 +166,16 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
     # R. the eager forward that checks a replay runs on the replay's own build, after it: when
     # that forward agrees with the replay on a build of its own, the replay's forward changed
     # what a second forward on the same build reads
-    if o == "replay-eager":
+    if o in ("replay-eager", "determinism"):
         rewritten = _rewritten_by_forward(backend_cls, cfg, upto, graph_mode, device)
         if rewritten is not None:
-            fields = (f"After the replay, metadata field(s) {', '.join(rewritten)} no longer hold what build() "
+            first = "the replay" if o == "replay-eager" else "the first forward"
+            fields = (f"After {first}, metadata field(s) {', '.join(rewritten)} no longer hold what build() "
                       "writes for this batch: the forward changed them. " if rewritten else "")
-            return Diagnosis("layer-state", f"the eager forward that checks step {k}'s replay ran on the replay's "
-                             "own build and disagrees with it; on a build of its own the same eager forward agrees: "
+            what = (f"the eager forward that checks step {k}'s replay ran on the replay's own build and disagrees "
+                    "with it" if o == "replay-eager" else
+                    f"step {k}'s eager forward, run a second time on the same build, disagrees with the first run")
+            return Diagnosis("layer-state", f"{what}; on a build of its own the same eager forward agrees: "
                              "the forward changes metadata (or state) that a second forward on the same build "
                              "reads, as every later attention layer of an engine's step does, and warmups sharing a "
                              "build (a length rewritten in place, two metadata fields sharing memory). " + fields
@@ -197,9 +201,10 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
 
 
 def _rewritten_by_forward(backend_cls, cfg, steps: list[dict], graph_mode: str, device) -> list[str] | None:
-    """Experiment R: run ``steps`` with the replay's eager check on a build of its own. None
-    when it still fails; else the metadata fields the replay's forward left different from a
-    new build of the same batch (``ScenarioRunner.rewritten``; may be empty)."""
+    """Experiment R: run ``steps`` with the second forward (a replay's eager check, the
+    determinism oracle's re-run) on a build of its own. None when it still fails; else the
+    metadata fields the first forward left different from a new build of the same batch
+    (``ScenarioRunner.rewritten``; may be empty)."""
     runner = None
     try:
         runner = ScenarioRunner(backend_cls, cfg, graph_mode, device, eager_own_build=True)

@@ -104,9 +104,10 @@ class ScenarioRunner:
     steps call the backend's ``build_for_capture`` when it has one (the diagnosis turns it
     off to tell a capture path that diverges from the replay path). ``layers``: the layer
     indices a forward runs (default all ``cfg.layers``; the diagnosis runs one alone).
-    ``eager_own_build``: the eager forward that checks a replay gets a build of its own
-    instead of the replay's (the diagnosis: does a forward change what a second forward on
-    its build reads?)."""
+    ``eager_own_build``: the eager forward that checks a replay, and the second run of an
+    eager forward (the determinism oracle), get a build of their own instead of the first
+    forward's (the diagnosis: does a forward change what a second forward on its build
+    reads?)."""
 
     def __init__(self, backend_cls, cfg: ScenarioConfig, graph_mode: str = "auto", device=None,
                  strict_contiguity: bool = False, capture_build: bool = True, layers=None,
@@ -539,13 +540,7 @@ class ScenarioRunner:
         after = self.world.kv_pool.clone()
         self.world.kv_pool.copy_(before)
         log = OpLog()
-        check_meta = meta
-        if self.eager_own_build:
-            used = {p: t.clone() for p, t in tensor_fields(meta).items()}
-            check_meta = self._build(self.backend.build, batch)
-            fresh = tensor_fields(check_meta)
-            self.rewritten = sorted(p for p, t in used.items() if p in fresh and (
-                fresh[p].shape != t.shape or fresh[p].dtype != t.dtype or not torch.equal(fresh[p], t)))
+        check_meta = self._own_build(batch, meta) if self.eager_own_build else meta
         try:
             raw = self._audited(lambda: self._forward(q, hidden, positions, check_meta), log)
             self._shared = sorted(set(self._shared) | set(self._shared_outputs(raw)))
@@ -572,10 +567,22 @@ class ScenarioRunner:
     def _oracle_integrity(self, phase: str, o: "Outcome") -> None:
         self._check_integrity(o.before, o.batch, o.what if phase == "replay" else "eager forward", o.after)
 
+    def _own_build(self, batch: DecodeBatch, used) -> object:
+        """A new build of ``batch`` for a second forward (``eager_own_build``), noting in
+        ``rewritten`` the metadata fields of ``used`` (the build a forward already ran on)
+        whose contents now differ from what the new build writes."""
+        before = {p: t.clone() for p, t in tensor_fields(used).items()}
+        meta = self._build(self.backend.build, batch)
+        fresh = tensor_fields(meta)
+        self.rewritten = sorted(p for p, t in before.items() if p in fresh and (
+            fresh[p].shape != t.shape or fresh[p].dtype != t.dtype or not torch.equal(fresh[p], t)))
+        return meta
+
     def _oracle_determinism(self, phase: str, o: "Outcome") -> None:
         self.world.kv_pool.copy_(o.before)
+        meta = self._own_build(o.batch, o.meta) if self.eager_own_build else o.meta
         # same NaN fill of uninitialised memory as the first run, or leftovers would differ
-        again = self._audited(lambda: self._forward(o.q, o.hidden, o.positions, o.meta), OpLog())
+        again = self._audited(lambda: self._forward(o.q, o.hidden, o.positions, meta), OpLog())
         self.world.kv_pool.copy_(o.after)
         for (i, first), (_, second) in zip(self.per_layer(o.outs), self.per_layer(again)):
             for a, b in zip(first, second):
