@@ -13,9 +13,10 @@ inside the backend's declared capabilities (``loading.effective_capabilities``, 
 the user): each KV dtype with its query dtype, each head count the spec varies, next_n 1 and
 the largest, each data path (``strategies.PATHS``, sparse with and without the device
 indexer), each page size, short and long scenarios (long rows make split kernels run), two
-capture sizes with replays at both. Their product is far too large, so the list covers every
-*pair* of values of any two of those dimensions (``pairwise``): about 50 scenarios at tiny size
-on a GPU, 20 at DeepSeek-V3 size. Each scenario captures after an eager warm-up forward on the
+capture sizes with replays at both (and a middle length where the short and long ones leave a
+class of Triton's integer specialization unreached, ``dimensions``). Their product is far too
+large, so the list covers every *pair* of values of any two of those dimensions
+(``pairwise``): about 50 scenarios at tiny size on a GPU, 20 at DeepSeek-V3 size. Each scenario captures after an eager warm-up forward on the
 capture's own build, replays long, full, padded and one-row batches, and runs a padded eager
 forward; a ragged-MTP backend also replays with one query token where ``next_n`` is larger.
 
@@ -131,8 +132,19 @@ def dimensions(backend_cls, spec: str, device: str, narrow: dict | None = None,
     top = max_seq_len or default_max_seq_len(base, device)
     if caps.max_seq_len is not None:
         top = min(top, caps.max_seq_len)
-    lengths = scenario_lengths(max(1, top))
-    lengths = tuple(dict.fromkeys((lengths[0], lengths[-1])))
+    drawn = scenario_lengths(max(1, top))
+    lengths = (drawn[0], drawn[-1])
+    # Triton compiles a variant per class of each integer argument (equal to 1, a multiple
+    # of 16, neither), and a block table's row stride is the pages per sequence: when both
+    # ends of the range fall in the first two (1 and 512 pages at DeepSeek-V3 size, with
+    # 64-token pages only), the general variant is left to the search, compiled by every
+    # worker on its own. Then a middle length of that class goes in too.
+    def general(n: int) -> bool:
+        return n > 1 and n % 16 != 0
+    if not any(general(max(1, length // p)) for length in lengths for p in pages):
+        middle = [length for length in drawn[1:-1] if any(general(length // p) for p in pages)]
+        lengths = (drawn[0], *middle[-1:], drawn[-1])
+    lengths = tuple(dict.fromkeys(lengths))
     return [("dtype", dtypes), ("shape", shapes), ("path", paths), ("page", list(pages)),
             ("length", list(lengths))], caps
 
@@ -156,7 +168,8 @@ def plan_scenarios(backend_cls, spec: str, device: str, narrow: dict | None = No
             continue  # never drawn by the search either
         for s in steps:
             validate_step(s, cfg)
-        kind = "long" if length == dims[4][1][-1] and len(dims[4][1]) > 1 else "short"
+        ends = dims[4][1]
+        kind = "short" if length == ends[0] or len(ends) == 1 else "long" if length == ends[-1] else "middle"
         name = (f"{spec}: kv {kv} q {q}, {heads} head(s), next_n {next_n}, {path}, page {page}, "
                 f"{kind} ({cfg.max_seq_len} tokens)")
         out.append(WarmupScenario(spec, name, cfg.to_dict(), steps))

@@ -18,7 +18,7 @@ from mla_fuzz.harness.campaign import CampaignOptions, CampaignRun, chunk_seed, 
 from mla_fuzz.harness.fuzz import default_max_seq_len
 from mla_fuzz.harness.loading import load_backend
 from mla_fuzz.harness.scenario import ScenarioConfig, outside_capabilities
-from mla_fuzz.harness.strategies import PATHS, TINY_HEADS
+from mla_fuzz.harness.strategies import PATHS, TINY_HEADS, scenario_lengths
 from mla_fuzz.harness.warmup import MARKER_DIR, dimensions, pairwise, plan_scenarios, prepare
 from mla_fuzz.mla_ref import ModelSpec
 from cli_helpers import one_line, run_cli
@@ -80,6 +80,7 @@ def test_deepseek_plan_and_narrowing():
     assert len(plan) == 20
     cfgs = [s.config for s in plan]
     assert {c["page_size"] for c in cfgs} == {64} and {c["next_n"] for c in cfgs} == {1, 4}
+    assert {c["max_pages_per_seq"] for c in cfgs} == {1, 8, 512}
     assert max(c["max_pages_per_seq"] * 64 for c in cfgs) == default_max_seq_len("deepseek-v3", "cuda")
     # the user's narrowing and --max-seq-len shape the list (and so the marker's key)
     narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
@@ -88,6 +89,25 @@ def test_deepseek_plan_and_narrowing():
     assert len(small) == 2 and {s.config["max_pages_per_seq"] * 16 for s in small} == {32, 96}
     dims, _ = dimensions(cls, "tiny", "cpu", narrow)
     assert [len(v) for _, v in dims] == [1, 1, 1, 1, 2]
+
+
+def _stride_classes(pages_per_seq) -> set:
+    return {"one" if n == 1 else "multiple of 16" if n % 16 == 0 else "neither" for n in pages_per_seq}
+
+
+@pytest.mark.parametrize("spec", ["tiny", "deepseek-v3"])
+def test_plan_reaches_every_specialization_class_the_search_draws(spec):
+    """Triton compiles a variant per class of an integer argument (1, a multiple of 16,
+    neither), and the block table's row stride is a scenario's pages per sequence: every class
+    the search draws is in the plan (at DeepSeek-V3 size, 64-token pages only, the shortest and
+    longest scenarios are 1 and 512 pages, and the search's 2- and 8-page ones were compiled by
+    each worker on its own)."""
+    cls = load_backend("triton")
+    plan = plan_scenarios(cls, spec, "cuda")
+    pages = (64,) if spec == "deepseek-v3" else (4, 16, 64)
+    drawn = {max(1, n // p) for n in scenario_lengths(default_max_seq_len(spec, "cuda")) for p in pages}
+    assert _stride_classes(drawn) == {"one", "multiple of 16", "neither"}
+    assert _stride_classes(s.config["max_pages_per_seq"] for s in plan) >= _stride_classes(drawn)
 
 
 def test_marker_key_follows_the_plan(cache):
