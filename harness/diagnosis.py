@@ -48,6 +48,7 @@ import copy
 from dataclasses import asdict, dataclass
 
 from .audit import OpLog
+from .blame import defined_at
 from .executor import ScenarioRunner, StepUnsupported, run_steps
 from .oracles import OracleFailure
 from .scenario import ScenarioConfig
@@ -179,7 +180,9 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                              "the forward changes metadata (or state) that a second forward on the same build "
                              "reads, as every later attention layer of an engine's step does, and warmups sharing a "
                              "build (a length rewritten in place, two metadata fields sharing memory). " + fields
-                             + "Keep what a forward computes in scratch of its own. " + failure.message, o)
+                             + f"Keep what a forward computes in scratch of its own (the forward: "
+                             f"{defined_at(backend_cls.forward) or backend_cls.__name__ + '.forward'}). "
+                             + failure.message, o)
     if o == "replay-eager":
         return Diagnosis("stale-address", "replay diverges from an eager forward of the same batch although the "
                          "metadata audit saw stable addresses: the graph reads a tensor the audit cannot see "

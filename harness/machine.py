@@ -228,7 +228,7 @@ def make_machine(c: Campaign, path: str | None = None, opening: Opening | None =
                 c.count("unsupported", u.reason if u.declared else f"{u.reason} (plain NotImplementedError)")
                 if not self.shrinking:  # a declined scenario is not a searched example (Hypothesis' count too)
                     c.stats["examples"] -= 1
-                    withdraw_notes(c.stats["coverage"], [(k, str(v)) for k, v in scenario_coverage(self.cfg)])
+                    withdraw_notes(c.stats["coverage"], scenario_coverage(self.cfg))
                     if c.on_declined is not None:
                         c.on_declined(self.cfg)
                 reject()

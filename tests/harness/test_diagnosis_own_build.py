@@ -32,6 +32,7 @@ def test_a_forward_that_changes_its_build_is_layer_state():
     assert d.cls == "layer-state" and "second forward on the same build" in d.explanation
     # it names the field the forward changed, as the backend's author calls it
     assert "metadata field(s) seq_lens no longer hold what build() writes" in d.explanation, d.explanation
+    assert "(the forward: harness/mutants/build_state.py:" in d.explanation, d.explanation  # the author's line
 
 
 def test_the_clean_backend_passes_with_the_check_on_either_build():
@@ -52,4 +53,5 @@ def test_a_forward_that_changes_its_build_seen_by_an_eager_forward_run_twice():
     d = diagnose(TileCounterPerBuild, CFG, EAGER_ONLY, f, "emulated")
     assert d.cls == "layer-state" and "run a second time on the same build" in d.explanation, d.explanation
     assert "metadata field(s) tiles_taken no longer hold what build() writes" in d.explanation, d.explanation
+    assert "(the forward: harness/mutants/build_state.py:" in d.explanation, d.explanation
     assert run_steps(TritonMLABackend, CFG, EAGER_ONLY, "emulated", eager_own_build=True) is None
