@@ -34,7 +34,7 @@ from . import memory_guard
 from .audit import OpAudit, OpLog, tensor_fields
 from .blame import (CUSTOM_OP_DOC, DeviceOutOfMemory, InternalError, call_backend, defined_at, find_oom, first_line,
                     judge, out_of_memory)
-from .graphs import make_runner
+from .graphs import default_device, make_runner
 from .loading import make_backend
 from .oracles import (ORACLES, OracleFailure, check_contract, check_layer, check_out_lse, compare_bitwise,
                       compare_close, nonfinite_rows, replay_tolerances)
@@ -124,8 +124,8 @@ class ScenarioRunner:
         self.runner = (make_runner(graph_mode, device) if graph_mode == "eager"
                        else make_runner(graph_mode, device, poison_empty=True))
         self.mode = self.runner.mode
-        if device is None:
-            device = "cuda" if self.mode == "cuda" else "cpu"
+        if device is None:  # as fuzz() places a scenario: eager on a GPU runs there
+            device = default_device(self.mode)
         self.device = torch.device(device)
         self.world = World(cfg, self.device)
         self.spec = self.world.spec

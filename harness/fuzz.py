@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
 from hypothesis.errors import HypothesisException, Unsatisfiable
 
 from mla_fuzz.mla_ref import ModelSpec
 
 from .diagnosis import diagnose
-from .graphs import make_runner
+from .graphs import default_device, make_runner
 from .loading import effective_capabilities, load_backend
 from .machine import BudgetExhausted, Campaign, search
 from .repro import make_repro
@@ -53,10 +52,6 @@ class FuzzReport:
 
 def resolve_mode(graph_mode: str) -> str:
     return make_runner(graph_mode).mode
-
-
-def default_device(mode: str) -> str:
-    return "cuda" if mode == "cuda" or (mode == "eager" and torch.cuda.is_available()) else "cpu"
 
 
 #: The longest sequence drawn by default, by (spec size, device): long enough on a GPU for

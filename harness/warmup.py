@@ -11,7 +11,7 @@ Generic, for any backend: the scenarios are ordinary ``ScenarioConfig`` + steps 
 ``executor.ScenarioRunner`` (the worker's ``warmup`` task), spanning what the search draws
 inside the backend's declared capabilities (``loading.effective_capabilities``, narrowed by
 the user): each KV dtype with its query dtype, each head count the spec varies, next_n 1 and
-the largest, each data path (``strategies.PATHS``, sparse with and without the device
+the largest (every next_n where the spec has one head count), each data path (``strategies.PATHS``, sparse with and without the device
 indexer), each page size, short and long scenarios (long rows make split kernels run), two
 capture sizes with replays at both (and a middle length where the short and long ones leave a
 class of Triton's integer specialization unreached, ``dimensions``). Their product is far too
@@ -120,8 +120,17 @@ def dimensions(backend_cls, spec: str, device: str, narrow: dict | None = None,
               if k in caps.kv_dtypes and (k in FP8_FORMATS or k in caps.q_dtypes)]
     if not dtypes:
         raise ValueError("no KV dtype of the backend can be read with a query dtype it takes")
-    next_n = tuple(dict.fromkeys((min(caps.next_n), max(caps.next_n))))
-    # the head count and next_n together: the query rows per request, which pick the kernel's block
+    # the head count and next_n together: the query rows per request, which pick the kernel's
+    # row blocks and with them the launch's integer arguments (a persistent grid's part count is
+    # the SMs over the row blocks, its partial buffer twice that; the token count may be 1):
+    # with one head count (DeepSeek-V3 size) every next_n, since each gives other classes of
+    # those integers (at 128 heads on 132 SMs, 4 tokens give 32 partial rows, a multiple of 16,
+    # and 2 or 3 give 66 or 44, neither); with head counts varied, next_n's ends already give
+    # ten row counts
+    if len(heads) == 1:
+        next_n = tuple(sorted(set(caps.next_n)))
+    else:
+        next_n = tuple(dict.fromkeys((min(caps.next_n), max(caps.next_n))))
     shapes = [(h, n) for h in heads for n in next_n]
     paths = []
     for p in paths_allowed(supports_layer(backend_cls) and caps.layer, supports_sparse(backend_cls) and caps.sparse):

@@ -27,8 +27,15 @@ MODES = ("eager", "cuda", "emulated", "auto")
 __all__ = [
     "MODES", "make_runner", "CaptureError", "ReplayError", "CapturedGraph", "GraphRunner",
     "EagerRunner", "CudaRunner", "EmulatedRunner", "EagerGraph", "CudaGraph", "EmulatedGraph",
-    "RecordedOp", "cuda_available",
+    "RecordedOp", "cuda_available", "default_device",
 ]
+
+
+def default_device(mode: str) -> str:
+    """Where a scenario's tensors live under the resolved graph ``mode``: ``"cuda"`` for real
+    graphs, and for ``"eager"`` when CUDA is available (the kernels run on the GPU without
+    graphs); else ``"cpu"`` (the emulator on CPU, the Triton interpreter)."""
+    return "cuda" if mode == "cuda" or (mode == "eager" and cuda_available()) else "cpu"
 
 
 def make_runner(mode: str, device: Any = None, **options: Any) -> GraphRunner:

@@ -79,8 +79,14 @@ def test_deepseek_plan_and_narrowing():
     plan = plan_scenarios(cls, "deepseek-v3", "cuda")
     assert len(plan) == 20
     cfgs = [s.config for s in plan]
-    assert {c["page_size"] for c in cfgs} == {64} and {c["next_n"] for c in cfgs} == {1, 4}
+    assert {c["page_size"] for c in cfgs} == {64}
     assert {c["max_pages_per_seq"] for c in cfgs} == {1, 8, 512}
+    # one head count: every next_n the search draws, each on every data path (the query rows
+    # per request set the launch's row blocks, part count and partial-buffer rows)
+    paths = {ScenarioConfig.from_dict(dict(c)).path for c in cfgs}
+    assert {(c["next_n"], ScenarioConfig.from_dict(dict(c)).path) for c in cfgs} == {
+        (n, p) for n in cls.capabilities.next_n for p in paths}
+    assert set(cls.capabilities.next_n) == {1, 2, 3, 4} and paths == set(PATHS) | {"sparse+indexer"}
     assert max(c["max_pages_per_seq"] * 64 for c in cfgs) == default_max_seq_len("deepseek-v3", "cuda")
     # the user's narrowing and --max-seq-len shape the list (and so the marker's key)
     narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",

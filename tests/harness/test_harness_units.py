@@ -229,3 +229,30 @@ def test_repro_write_is_atomic_and_roundtrips(tmp_path):
     path = write_repro(repro, tmp_path)
     assert load_repro(path)["steps"] == repro["steps"]
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left behind
+
+
+class _Placed(Exception):
+    def __init__(self, device):
+        super().__init__(str(device))
+        self.device = device
+
+
+def test_a_scenario_without_a_device_is_placed_where_fuzz_places_it(monkeypatch):
+    """The worker's warmup and replay tasks build their runner without a device: under
+    ``--graph eager`` on a GPU their tensors must go to the GPU as ``fuzz()``'s do (they went
+    to the CPU, and every warmup scenario failed with 'the Triton kernels need CUDA tensors')."""
+    from mla_fuzz.harness import executor, graphs
+    from mla_fuzz.harness.loading import load_backend
+
+    def world(cfg, device):
+        raise _Placed(device)
+
+    monkeypatch.setattr(executor, "World", world)
+    cfg = ScenarioConfig(spec=ModelSpec.tiny(num_heads=1).to_dict(), kv_dtype="bf16", q_dtype="bf16",
+                         page_size=4, next_n=1, capture_sizes=[1], max_pages_per_seq=2)
+    for gpu, mode, want in [(True, "eager", "cuda"), (False, "eager", "cpu"), (True, "emulated", "cpu")]:
+        monkeypatch.setattr(graphs, "cuda_available", lambda gpu=gpu: gpu)
+        assert graphs.default_device(mode) == want
+        with pytest.raises(_Placed) as placed:
+            executor.ScenarioRunner(load_backend("triton"), cfg, mode)
+        assert placed.value.device == torch.device(want), (gpu, mode)
