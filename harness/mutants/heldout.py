@@ -16,7 +16,11 @@ uses. The four after them (``example-real-rows-mask``, ``plan-aliases-slot-mappi
 ``sparse-ping-pong-topk``, ``mtp-uniform-fast-path``) were written the same way at the end of
 that day, after the book's padded eager step, and measured untouched on the search as it then
 stood (``benchmarks/results/cpu-2026-11-29-fresh-set3-before.json``): the set for judging the
-next change to the search.
+next change to the search. Four more (``example-packed-seq-lens``, ``example-unmasked-values``,
+``mtp-lookahead-slots``, ``example-capture-key-bound``) were added after those, written the same
+way and not yet measured: one each on a record-layout view, values gathered past a row's run, the
+MTP slot mapping and a capture-only host bound, in the classes the held-out set had least of
+(contiguity, padding-leak, cache-corruption, capture-divergence).
 
 ``HELDOUT`` maps name -> backend class; ``HELDOUT_EXPECTED`` maps name -> diagnosis classes
 that are a correct explanation of that bug.
@@ -28,6 +32,7 @@ from collections import OrderedDict
 
 import torch
 
+from mla_fuzz.examples.sglang_style import SGLangStyleBackend, sglang_decode
 from mla_fuzz.examples.triton_decode import TritonDecodeBackend, decode_stage1, decode_stage2
 from mla_fuzz.kernels import TritonMLABackend, plan_reference
 from mla_fuzz.kernels.indexer import indexer_topk
@@ -422,6 +427,126 @@ class MTPUniformFastPath(TritonMLABackend):
         super()._decode(q, kv_cache, md, out, lse, partial_o, partial_lse)
 
 
+class ExamplePackedSeqLens(TritonDecodeBackend):
+    """The example's per-request ints uploaded as one record per request: to make the step's
+    upload one host-to-device copy (as FlashInfer's ``plan()`` fills a page-locked int buffer
+    and copies it at once), the builder keeps a persistent ``[max_batch, 2]`` int32 buffer of
+    ``(seq_len, num_pages)`` records, writes the step's rows in one ``copy_`` and hands the
+    kernel the ``seq_len`` column, ``packed[:pad, 0]``: a view with stride 2. The stage-1 kernel
+    indexes ``seq_lens`` flat (``SeqLens + req``, as vLLM's ``_fwd_kernel_stage1`` loads
+    ``B_Seqlen + cur_batch``), so request b reads record ``b // 2``'s field ``b % 2``: request 1
+    decodes with request 0's page count as its length, and so on. Stable address, right
+    values, wrong layout (vLLM #42135's class, by a record layout instead of a 2-D slice).
+    A batch padded to one row is a contiguous view and right; two rows or more, eager or
+    graph, are wrong."""
+
+    name = "example-packed-seq-lens"
+
+    def _stage(self, name, host):
+        if name != "seq_lens":
+            return super()._stage(name, host)
+        packed = self.__dict__.get("_packed")
+        if packed is None:  # allocated once: graph-safe
+            packed = self._packed = torch.zeros(self.max_batch, 2, dtype=torch.int32, device=self.device)
+        pad = host.shape[0]
+        pages = (host + self.page_size - 1) // self.page_size
+        packed[:pad].copy_(torch.stack([host, pages], 1))  # one upload for the step's records
+        return packed[:pad, 0]  # the seq_len column: stride 2
+
+
+class ExampleUnmaskedValues(SGLangStyleBackend):
+    """The SGLang-shaped decode masking the scores of the positions past a row's run but not
+    the values it gathers there: every row reads ``max_tokens`` positions of ``kv_indices``
+    from its ``kv_indptr`` start, the scores past the run are ``-inf`` (softmax weight 0) and the
+    values are taken as gathered, on the reasoning that a weight of 0 makes them irrelevant.
+    But ``0 * NaN`` is NaN: past a row's run lie the next rows' slots, the padded rows' slot in
+    the null block and the persistent ``cuda_graph_kv_indices``' tail (zeros: the null block's
+    slot 0, or slots of pages an earlier step used), whose contents belong to no live request
+    and may be NaN or inf (never-written or freed pages). vLLM #936 zeroed V past the context
+    in the paged-attention kernel for exactly this, FlashInfer fills out-of-bounds V tiles with
+    zeros (``kFillZero``) and vLLM #47305 bounded the Triton kernels' K/V loads by ``seq_len``:
+    the clean decode masks the values (``torch.where(valid, ...)``). Eager builds hand the
+    batch's own indices and clamp into them, so only the graph paths (replays, padded eager
+    steps) with non-finite padding show it: every real row whose ``max_tokens`` window reaches
+    such a slot."""
+
+    name = "example-unmasked-values"
+
+    def forward(self, q, kv_cache, metadata, out=None):
+        md, spec = metadata, self.spec
+        bs, d_qk = q.shape[0], kv_cache.shape[-1]
+        slots_kv = kv_cache.reshape(-1, d_qk)
+        start = md.kv_indptr[:bs].long()
+        pos = torch.arange(self.max_tokens, device=q.device)
+        valid = pos[None, :] < (md.kv_indptr[1:bs + 1].long() - start)[:, None]
+        idx = (start[:, None] + pos[None, :]).clamp(0, max(md.kv_indices.numel() - 1, 0))
+        keys = slots_kv[md.kv_indices[idx].long().clamp(0, slots_kv.shape[0] - 1)].float()  # unmasked
+        scores = torch.einsum("bhd,btd->bht", q[:, 0].float(), keys) * spec.softmax_scale
+        probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)  # weight 0 past the run
+        res = torch.einsum("bht,btv->bhv", probs, keys[..., :spec.kv_lora_rank]).unsqueeze(1).to(q.dtype)
+        if out is not None:
+            out.copy_(res)
+            res = out
+        return res, None
+
+
+class MTPLookaheadSlots(TritonMLABackend):
+    """The MTP slot mapping derived by the builder from the block table for the uniform
+    ``[pad, next_n]`` token layout, vLLM-style (``BlockTable.compute_slot_mapping`` from each
+    token's position): token column i of a real request sits at ``seq_len - q_len + i``, the
+    padding tokens of a ragged request included (they continue the row, as their RoPE positions
+    do), and only padded rows get -1. vLLM allocates lookahead slots for speculative tokens
+    (``num_lookahead_tokens``), so there a padding token's key lands in a spare slot of the
+    request's own; an engine that allocates pages for the step's real tokens only (SGLang's
+    per-token ``out_cache_loc``, this harness) has no such slots: the write stores padding
+    tokens' latent past the sequence's end in its last page or, past that page, in whatever
+    page the block table's unused columns name (another request's keys). Layer steps
+    (``write_kv``) with ragged MTP only: ``next_n > 1`` and a real request with ``q_len <
+    next_n``; eager steps and replays alike."""
+
+    name = "mtp-lookahead-slots"
+
+    def _fill_metadata(self, batch):
+        md = super()._fill_metadata(batch)
+        B, ps = batch.batch_size, batch.page_size
+        if B and batch.next_n > 1:
+            pos = (batch.seq_lens - batch.q_lens).to(torch.int64)[:, None] + torch.arange(batch.next_n)
+            cols = (pos // ps).clamp(max=batch.block_table.shape[1] - 1)
+            slots = batch.block_table.to(torch.int64).gather(1, cols) * ps + pos % ps
+            md.slot_mapping[:B].copy_(torch.where((batch.seq_lens > 0)[:, None], slots, -1))  # padded rows only
+        return md
+
+
+class ExampleCaptureKeyBound(SGLangStyleBackend):
+    """The SGLang-shaped decode's key bound (the positions each row reads, SGLang's
+    ``max_context_len``) set per path: ``build`` (eager and replay) leaves it at the config's
+    bound, as always, but the capture path, written from the eager path's habit of sizing
+    the kernel for the batch at hand, bounds it by the capture batch's longest row (rounded up
+    to a page), and the forward hands the kernel the metadata's bound. A Python int: the
+    graph keeps the capture's, and a replayed row longer than the capture batch's longest
+    attends only its first keys. The shape of the capture/replay divergence SGLang's backends
+    had (a split count computed on the replay path and not at capture) before the paths were
+    unified. Replays with a row longer than the capture batch's longest, rounded up to a
+    page."""
+
+    name = "example-capture-key-bound"
+
+    def build_for_capture(self, batch):
+        md = super().build_for_capture(batch)
+        longest = int(batch.seq_lens.max()) if batch.batch_size else 1
+        md.max_tokens = -(-longest // batch.page_size) * batch.page_size  # the capture batch's bound
+        return md
+
+    def forward(self, q, kv_cache, metadata, out=None):
+        bound = getattr(metadata, "max_tokens", self.max_tokens)
+        res = sglang_decode(q, kv_cache, metadata.kv_indptr, metadata.kv_indices, self.spec.softmax_scale,
+                            self.spec.kv_lora_rank, bound)
+        if out is not None:
+            out.copy_(res)
+            res = out
+        return res, None
+
+
 HELDOUT = {
     "stale-slot-tail": StaleSlotTail,
     "sparse-frozen-width": SparseFrozenWidth,
@@ -437,6 +562,10 @@ HELDOUT = {
     "plan-aliases-slot-mapping": PlanAliasesSlotMapping,
     "sparse-ping-pong-topk": SparsePingPongTopk,
     "mtp-uniform-fast-path": MTPUniformFastPath,
+    "example-packed-seq-lens": ExamplePackedSeqLens,
+    "example-unmasked-values": ExampleUnmaskedValues,
+    "mtp-lookahead-slots": MTPLookaheadSlots,
+    "example-capture-key-bound": ExampleCaptureKeyBound,
 }
 
 HELDOUT_EXPECTED = {
@@ -469,6 +598,14 @@ HELDOUT_EXPECTED = {
     "sparse-ping-pong-topk": {"stale-address"},
     # a host-side dispatch decision of the capture's build frozen into the graph
     "mtp-uniform-fast-path": {"laziness"},
+    # a column of a record (array-of-structs) buffer, stride 2, handed to a kernel that indexes it flat
+    "example-packed-seq-lens": {"contiguity"},
+    # NaN/inf in padding slots (null block, unused pages) reaches real rows as 0 * NaN
+    "example-unmasked-values": {"padding-leak"},
+    # the cache write stores padding tokens' keys into slots no real token writes
+    "mtp-lookahead-slots": {"cache-corruption"},
+    # the capture path alone sizes a host int from the capture batch; the graph freezes it
+    "example-capture-key-bound": {"capture-divergence", "laziness"},
 }
 
 __all__ = ["HELDOUT", "HELDOUT_EXPECTED"] + [c.__name__ for c in HELDOUT.values()]
