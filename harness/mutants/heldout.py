@@ -18,9 +18,11 @@ that day, after the book's padded eager step, and measured untouched on the sear
 stood (``benchmarks/results/cpu-2026-11-29-fresh-set3-before.json``): the set for judging the
 next change to the search. Four more (``example-packed-seq-lens``, ``example-unmasked-values``,
 ``mtp-lookahead-slots``, ``example-capture-key-bound``) were added after those, written the same
-way and not yet measured: one each on a record-layout view, values gathered past a row's run, the
-MTP slot mapping and a capture-only host bound, in the classes the held-out set had least of
-(contiguity, padding-leak, cache-corruption, capture-divergence).
+way: one each on a record-layout view, values gathered past a row's run, the MTP slot mapping
+and a capture-only host bound, in the classes the held-out set had least of (contiguity,
+padding-leak, cache-corruption, capture-divergence); measured untouched on the search as it then
+stood (``benchmarks/results/cpu-2026-11-29-fresh5-before.json``: 8/8 found in 1-3 examples,
+named right).
 
 ``HELDOUT`` maps name -> backend class; ``HELDOUT_EXPECTED`` maps name -> diagnosis classes
 that are a correct explanation of that bug.
