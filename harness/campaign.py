@@ -52,6 +52,8 @@ DEFAULT_CHUNK = 100
 REDUCE_GRACE_S = 30.0
 # After the budget, running chunks get this long to end on their own before being stopped.
 STOP_GRACE_S = 2.0
+#: the share of a ``--budget`` the warmup may start scenarios in (the search has the rest)
+WARMUP_SHARE = 0.5
 # Consecutive worker deaths before any step (nothing to replay) that abort the campaign.
 MAX_BLIND_DEATHS = 3
 
@@ -469,8 +471,10 @@ class CampaignRun:
                 self._draw()
 
         def stop() -> bool:
-            left = self._time_left()
-            return self._stopping or (left is not None and left <= 0.2)
+            # a budget leaves the search at least its other half: a cold warmup on a short
+            # budget would otherwise search nothing (what it does not run compiles on the way)
+            b = self.opts.budget_s
+            return self._stopping or (b is not None and self._elapsed() >= WARMUP_SHARE * b)
 
         def kill() -> bool:
             left = self._time_left()
@@ -498,8 +502,8 @@ class CampaignRun:
         self.result.warnings += ["warmup: " + w for w in out.warnings]
         if not out.completed and not self.result.interrupted:
             self.result.warnings.append(
-                f"warmup: the budget ended the warmup after {out.ran} of {out.planned} scenarios; the rest compile "
-                f"on the way (run `mla-fuzz warmup` once to pay it ahead)")
+                f"warmup: stopped at half the budget after {out.ran} of {out.planned} scenarios, so the search has "
+                f"the rest; what it did not run compiles on the way (run `mla-fuzz warmup` once to pay it ahead)")
         self.result.state = "running" if any(w.ready for w in pool.workers) else "starting workers"
         self._note(f"{self._elapsed():.1f}s: " + summary_line(out, len(pool.workers)))
 

@@ -362,3 +362,30 @@ def test_campaign_chunks_start_during_the_warmups_last_scenario(cache, tmp_path)
     end = next(t for t, text, _ in display.notes if "warmup: 2 scenario(s) in" in text)
     during = [c for c, t in zip(display.counts, display.stamps) if t < end - 0.5]
     assert any(cases > 0 for cases, _ in during), (display.counts, [n[1] for n in display.notes])
+
+
+def test_a_budget_leaves_the_search_at_least_half(cache, tmp_path):
+    """A warmup longer than the whole budget (a cold GPU, a short ``--budget``) starts no
+    scenario after half the budget: the search gets the rest and runs examples (on a GPU a
+    60 s eager campaign spent 52 s of its budget on the warmup and searched nothing)."""
+    import dataclasses
+
+    from mla_fuzz.harness.campaign import WARMUP_SHARE
+    from mla_fuzz.harness.worker_env import worker_envs
+
+    narrow = narrowing.parse({"kv_dtypes": "bf16", "heads": "1", "next_n": "1", "page_sizes": "16",
+                              "no_sparse": True, "no_layer": True})
+    plan = prepare("triton", ["tiny"], "emulated", gpu=False, narrow=narrow)
+    long_ = next(sc for sc in plan.specs[0].scenarios if "long" in sc.name)
+    replay = next(st for st in long_.steps if st["op"] == "replay")
+    slow = dataclasses.replace(long_, steps=long_.steps + [replay] * 6)
+    plan.specs[0].scenarios = [slow] * 40
+    budget = 16.0
+    opts = CampaignOptions(graph="emulated", budget_s=budget, examples=None, chunk=2, seed=3, corpus=tmp_path / "c",
+                           worker_envs=worker_envs(1, "emulated"), narrow=narrow, warmup=plan)
+    res = CampaignRun(opts, None).run()
+    assert res.error_kind is None and not res.findings, (res.errors, res.findings)
+    assert not res.warmup.completed and 0 < res.warmup.ran < 40
+    assert res.warmup.seconds < budget * WARMUP_SHARE + 8  # the last scenario started before half finishes
+    assert res.examples > 0, (res.examples, res.warmup.ran, res.warmup.seconds)
+    assert any("half the budget" in w for w in res.warnings), res.warnings
