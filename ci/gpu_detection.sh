@@ -11,7 +11,8 @@
 #   before a row's first example go;
 # - DeepSeek-V3 size, cold then warm, on its own empty cache; then the held-out set there.
 # PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold);
-# EXTRA="--only a,b" adds arguments to every matrix.
+# EXTRA="--only a,b" adds arguments to every matrix; BUNDLE=FILE.tgz also packs OUTDIR into one
+# file at the end (a machine that hands back only a few files loses none of the phases').
 # Each json row has seconds_to_detect (from the command's start) and row_started_s (when a
 # worker took the row). Logs and json land in OUTDIR; benchmarks/gpu_detection_summary.py
 # turns one or more OUTDIRs into the summary json kept under benchmarks/results/.
@@ -51,4 +52,7 @@ for phase in ${PHASES:-tiny-cold tiny-warm startup heldout-warm dsv3-cold dsv3-w
     esac
 done
 [ -n "${DETECTION_CACHE:-}" ] || rm -rf "$C"
+if [ -n "${BUNDLE:-}" ]; then
+    tar czf "$BUNDLE" -C "$OUT" . || rc=1
+fi
 exit "$rc"
