@@ -500,7 +500,8 @@ class CampaignRun:
             return
         self.result.warmup = out
         self.result.warnings += ["warmup: " + w for w in out.warnings]
-        if not out.completed and not self.result.interrupted:
+        if not out.completed and not self.result.interrupted and not self._hard:
+            # only the budget's half (``stop``) ends a warmup early here; an error ends the campaign
             self.result.warnings.append(
                 f"warmup: stopped at half the budget after {out.ran} of {out.planned} scenarios, so the search has "
                 f"the rest; what it did not run compiles on the way (run `mla-fuzz warmup` once to pay it ahead)")

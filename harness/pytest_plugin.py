@@ -120,7 +120,8 @@ def mla_corpus(request) -> str:
 @pytest.fixture(scope="session")
 def mla_capabilities(request, mla_backend_ref, mla_graph_mode):
     """What the backend declares, as the fuzzer draws it here (``effective_capabilities``)."""
-    from mla_fuzz.harness.fuzz import default_device, resolve_mode
+    from mla_fuzz.harness.fuzz import resolve_mode
+    from mla_fuzz.harness.graphs import default_device
     from mla_fuzz.harness.loading import effective_capabilities, load_backend
 
     cpu = default_device(resolve_mode(mla_graph_mode)) == "cpu"

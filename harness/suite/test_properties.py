@@ -15,7 +15,8 @@ import pytest
 
 from mla_fuzz.harness.diagnosis import diagnose
 from mla_fuzz.harness.executor import run_steps
-from mla_fuzz.harness.fuzz import default_device, fuzz, resolve_mode
+from mla_fuzz.harness.fuzz import fuzz, resolve_mode
+from mla_fuzz.harness.graphs import default_device
 from mla_fuzz.harness.loading import load_backend, supports_layer
 from mla_fuzz.harness.repro import make_repro, write_repro
 from mla_fuzz.harness.scenario import ScenarioConfig, outside_capabilities
