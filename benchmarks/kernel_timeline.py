@@ -233,7 +233,8 @@ def instrument_source(name: str) -> str:
     if name not in _EDITS:
         raise ValueError(f"no timeline for kernel {name!r}; known: {sorted(_EDITS)}")
     module = importlib.import_module(_MODULES[name])
-    src = inspect.getsource(module).replace("from .", "from mla_fuzz.kernels.hopper.")
+    src = inspect.getsource(module).replace("from ..", "from mla_fuzz.kernels.").replace(
+        "from .", "from mla_fuzz.kernels.hopper.")
     marker = "\n__all__ = ["
     if src.count(marker) != 1:
         raise ValueError(f"{_MODULES[name]}: no single '__all__' line to put the timer helper before")

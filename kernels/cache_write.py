@@ -33,7 +33,7 @@ def _e4m3_saturated(x):
     return tl.where(is_nan, 0x7F, e4m3_code(x))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T", "n_slots"))  # tokens and cache slots follow the batch and the pool
 def _cache_write_kernel(kv_ptr, lat_ptr, rope_ptr, slot_ptr, kscale_ptr, T, n_slots,
                         RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
                         TOKEN_STRIDE: tl.constexpr, FP8: tl.constexpr, E4M3: tl.constexpr, BLOCK_T: tl.constexpr):

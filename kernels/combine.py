@@ -95,7 +95,7 @@ def _fold4(m, l_sum, acc, l0, l1, l2, l3, p0, p1, p2, p3):
     return m_new, l_sum, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("partial_cap", "SQ"))  # why: config.UNSPECIALIZED_DECODE_INTEGERS
 def _combine_kernel(po_ptr, plse_ptr, nsplit_ptr, off_ptr, out_ptr, lse_ptr, partial_cap, SQ, H,
                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
                     LOADS_FIRST: tl.constexpr = False, PDL: tl.constexpr = False, WIDE: tl.constexpr = 16):

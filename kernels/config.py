@@ -15,7 +15,15 @@ import torch
 
 from mla_fuzz.mla_ref import ModelSpec
 
-__all__ = ["DecodeConfig", "KERNEL_NAMES", "interpreting", "next_pow2", "check_spec_supported", "sm_count"]
+__all__ = ["DecodeConfig", "KERNEL_NAMES", "UNSPECIALIZED_DECODE_INTEGERS", "interpreting", "next_pow2", "check_spec_supported", "sm_count"]
+
+#: integer arguments of every split-KV decode kernel that follow the batch rather than the model:
+#: the block table's row stride (pages per sequence), the partial buffer's rows and the tokens
+#: per request. Triton would compile a variant per class of each (equal to 1, a multiple of 16,
+#: neither) and the classes multiply: a campaign that varies the batch met dozens of variants
+#: after its warmup. They enter only scalar address arithmetic and bounds, so none is
+#: specialised (``do_not_specialize``); the head count stays specialised: it is the model's.
+UNSPECIALIZED_DECODE_INTEGERS = ("bt_stride", "partial_cap", "SQ")
 
 #: the decode kernels a config can name (``DecodeConfig.kernel``; ``routes.KERNELS`` describes each)
 KERNEL_NAMES = ("triton", "wgmma", "wgmma_pp", "wgmma_ws64", "wgmma_rs", "wgmma_ws", "wgmma_kt")

@@ -42,7 +42,7 @@ __all__ = ["launch_decode_sparse"]
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("partial_cap", "N_SLOTS"))  # why: config.UNSPECIALIZED_DECODE_INTEGERS
 def _decode_sparse_kernel(q_ptr, kv_ptr, idx_ptr, rstart_ptr, rlen_ptr, part_ptr, nsplit_ptr, off_ptr,
                           out_ptr, lse_ptr, po_ptr, plse_ptr, kscale_ptr,
                           partial_cap, qk_scale, H, N_SLOTS,

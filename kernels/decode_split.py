@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .config import interpreting
+from .config import UNSPECIALIZED_DECODE_INTEGERS, interpreting
 from .hopper.pdl import grid_wait, launch_options, pdl_on
 from .rounding import to_out
 
@@ -212,7 +212,7 @@ def _fp8_tma_descriptors(kv_cache: torch.Tensor, *, rank: int, rope_dim: int, fp
     return codes, scales, rope
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED_DECODE_INTEGERS)
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                          out_ptr, lse_ptr, po_ptr, plse_ptr, codes_desc, scales_desc, rope_desc,
                          pscr_ptr, ascr_ptr, kscale_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: tl.constexpr,

@@ -86,7 +86,7 @@ _MAX_BLOCK_P = 32
 # the other there, so a second program only repeats the shared prologue (the batch total).
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("B",))  # the batch: one variant for every batch size
 def _planner_kernel(seq_ptr, part_ptr, nsplit_ptr, off_ptr, B,
                     NUM_PARTS: tl.constexpr, PART_PROGS: tl.constexpr, BLOCK_P: tl.constexpr,
                     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,

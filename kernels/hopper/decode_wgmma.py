@@ -47,6 +47,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 from .gluon_parts import (copy_q_rows, key_rows, program_rows, request_span, row_copy_layout, rows_tile_step,
                           store_rows_result, tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
+from ..config import UNSPECIALIZED_DECODE_INTEGERS
 
 __all__ = ["launch_decode_wgmma"]
 
@@ -76,7 +77,7 @@ if gluon is not None:
         async_copy.async_copy_global_to_shared(k_rope_buf, rope_ptr[:, None] + cols_r[None, :],
                                                mask=ok_r[:, None] & (cols_r[None, :] < ROPE))
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_DECODE_INTEGERS)
     def _decode_wgmma_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                              out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                              PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr,

@@ -48,6 +48,7 @@ from .gluon_parts import (part_bounds, request_span, ring_barriers, row_copy_lay
                           softmax_result, start_request_rows, store_keys_lse, store_keys_part, tma_tile_walk,
                           wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
+from ..config import UNSPECIALIZED_DECODE_INTEGERS
 
 __all__ = ["launch_decode_wgmma_kt", "kt_descriptor", "kt_descriptors_available", "KT_STAGES", "KT_CHUNK"]
 
@@ -193,7 +194,7 @@ if gluon is not None:
         store_keys_part(gl.convert_layout(a, OUT_L), c * a.shape[0], inv_o, r_out, c_out, b64, nsplit, p_row,
                         partial_cap, out_ptr, po_ptr, ROWS, RANK)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_DECODE_INTEGERS)
     def _decode_kt_kernel(k_desc, q_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
                           lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,
                           RANK: gl.constexpr, ROPE: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,

@@ -58,6 +58,7 @@ except Exception:  # pragma: no cover - a Triton without Gluon: the Triton kerne
 from .gluon_parts import (key_rows, program_rows, request_span, row_copy_layout, softmax_rows_step, store_rows_result,
                           tile_page, wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
+from ..config import UNSPECIALIZED_DECODE_INTEGERS
 
 __all__ = ["launch_decode_wgmma_pp", "PP_ODD_REGS", "PP_STAGE_OUT_PARTS_PER_REQUEST"]
 
@@ -350,7 +351,7 @@ if gluon is not None:
                            k_s.index(3), STAGE_OUT)
                 nreq += 1
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_DECODE_INTEGERS)
     def _decode_pp_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr, out_ptr,
                           lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H, PAGE: gl.constexpr,
                           RANK: gl.constexpr, ROPE: gl.constexpr, TOKEN_STRIDE: gl.constexpr, BLOCK_M: gl.constexpr,

@@ -63,6 +63,7 @@ from .gluon_parts import (copy_q_rope_now, part_bounds, request_span, ring_barri
                           softmax_keys_step, softmax_result, store_keys_lse, store_keys_part, tma_tile_walk,
                           wait_prior_grid, wgmma_layout)
 from .pdl import pdl_on
+from ..config import UNSPECIALIZED_DECODE_INTEGERS
 
 __all__ = ["launch_decode_wgmma_rs", "rs_descriptors", "rs_descriptors_available", "RS_STAGES"]
 
@@ -350,7 +351,7 @@ if gluon is not None:
                 if WG == 0:
                     store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_DECODE_INTEGERS)
     def _decode_rs_kernel(codes_desc, scales_desc, rope_desc, q_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr,
                           nsplit_ptr, off_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale,
                           SQ, H, PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,

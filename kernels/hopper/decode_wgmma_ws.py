@@ -44,6 +44,7 @@ from .gluon_parts import (copy_q_rope_now, part_bounds, q_rows_to_fp16, request_
                           row_copy_layout, softmax_keys_step, softmax_result, store_keys_result, wait_prior_grid,
                           wgmma_layout)
 from .pdl import pdl_on
+from ..config import UNSPECIALIZED_DECODE_INTEGERS
 
 __all__ = ["launch_decode_wgmma_ws", "WS_BLOCK_N", "WS_WARPS"]
 
@@ -285,7 +286,7 @@ if gluon is not None:
                 store_keys_result(a0, a1, a2, a3, inv_l, lse2, r, c, b64, nsplit, p_row, partial_cap, out_ptr, lse_ptr,
                                   po_ptr, plse_ptr, ROWS, SQ, H, RANK, GROUP)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_DECODE_INTEGERS)
     def _decode_ws_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                           out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                           PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,

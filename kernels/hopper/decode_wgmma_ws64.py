@@ -63,6 +63,7 @@ from .gluon_parts import (key_rows, part_bounds, program_rows, request_span, rin
                           store_keys_part, store_part_staged, store_rows_result, tile_page, wait_prior_grid,
                           wgmma_layout)
 from .pdl import pdl_on
+from ..config import UNSPECIALIZED_DECODE_INTEGERS
 
 __all__ = ["launch_decode_wgmma_ws64", "W64_BUFS", "W64_PRODUCER_WARPS", "W64_PRODUCER_REGS", "W64_KEYS_ROWS",
            "W64_STAGE_OUT_PARTS_PER_REQUEST", "W64_STAGE_PART_PARTS_PER_REQUEST"]
@@ -346,7 +347,7 @@ if gluon is not None:
                                 RANK)
                 store_keys_lse(lse2, r, b64, nsplit, p_row, partial_cap, lse_ptr, plse_ptr, ROWS, SQ, H)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=UNSPECIALIZED_DECODE_INTEGERS)
     def _decode_ws64_kernel(q_ptr, kv_ptr, bt_ptr, seq_ptr, ctx_ptr, ctxw_ptr, part_ptr, nsplit_ptr, off_ptr,
                             out_ptr, lse_ptr, po_ptr, plse_ptr, bt_stride, partial_cap, qk_scale, SQ, H,
                             PAGE: gl.constexpr, RANK: gl.constexpr, ROPE: gl.constexpr, GROUP: gl.constexpr,
