@@ -22,6 +22,9 @@ measurement of a later search runs the same command on that tree:
     python3 benchmarks/heldout.py --tree . --out benchmarks/results/cpu-DATE-heldout-after.json
     python3 benchmarks/heldout.py --tree /tmp/base --seeds 0 --examples 50 --only stale-slot-tail --out /tmp/h.json
 
+``--only`` may also name public mutants (``harness.mutants.ALL``): measured the same way, e.g. a
+mutant's diagnosis over many seeds before and after a change to the diagnosis.
+
 The held-out set must stay unseen by the search's tuning: read the numbers, do not tune on
 the mutants (their failing inputs are nowhere in the repository on purpose).
 """
@@ -60,10 +63,12 @@ def _row(tree: Path, name: str, seed: int, examples: int, shrink_seconds: float)
                          f"the tree (cd there) or uninstall the editable mla_fuzz that shadows it")
     from mla_fuzz.harness.executor import run_steps
     from mla_fuzz.harness.fuzz import fuzz
+    from mla_fuzz.harness.mutants import ALL, EXPECTED
     from mla_fuzz.harness.mutants.heldout import HELDOUT, HELDOUT_EXPECTED
     from mla_fuzz.harness.scenario import ScenarioConfig
 
-    expected = sorted(HELDOUT_EXPECTED.get(name, ()))
+    classes, expect = {**ALL, **HELDOUT}, {**EXPECTED, **HELDOUT_EXPECTED}
+    expected = sorted(expect.get(name, ()))
     row = {"mutant": name, "seed": seed, "expected": expected, "harness": str(where.parent)}
     t0 = time.monotonic()
     try:
@@ -86,7 +91,7 @@ def _row(tree: Path, name: str, seed: int, examples: int, shrink_seconds: float)
                diagnosis_right=diag.get("cls") in expected,
                explanation_first_line=(diag.get("explanation") or "").splitlines()[0] if diag.get("explanation") else None,
                shrunk_steps=len(repro["steps"]), unshrunk_steps=search.get("unshrunk_steps"), flaky=search.get("flaky"))
-    parent = HELDOUT[name].__mro__[1]  # the clean backend the mutant subclasses
+    parent = classes[name].__mro__[1]  # the clean backend the mutant subclasses
     try:
         row["parent_passes_repro"] = run_steps(parent, ScenarioConfig.from_dict(repro["config"]), repro["steps"],
                                                "emulated", "cpu") is None
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     ap.add_argument("--examples", type=int, default=300, help="examples per row (default 300)")
     ap.add_argument("--shrink-seconds", type=float, default=20.0, help="shrinking bound per row (default 20)")
-    ap.add_argument("--only", default=None, help="comma-separated held-out mutant names (default: all)")
+    ap.add_argument("--only", default=None, help="comma-separated mutant names (default: every held-out one; a "
+                    "public mutant is measured the same way)")
     ap.add_argument("--commit", default=None, help="what to record as the measured commit (default: the tree's "
                     "HEAD, noting uncommitted changes)")
     ap.add_argument("--tree-note", default=None, help="recorded as tree_note: what differs from the commit")

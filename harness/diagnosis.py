@@ -30,7 +30,10 @@ L. (scenarios of several layers per step) every layer run alone, on the same ste
    leaving the previous step's tail, vLLM #42604) -> stale-address;
 3. capturing with the replayed batch itself: if the failure disappears while every
    metadata address is stable and every kernel is present, the graph froze host-side
-   values computed from the capture-time batch -> laziness (host-decided plan);
+   values computed from the capture-time batch -> laziness (host-decided plan); unless the
+   replay-eager oracle fired and 1b's test holds (the step's eager forward alone is wrong
+   after this history, right on a fresh backend): the re-capture also rewrote that history,
+   so the stale contents are the cause -> stale-address;
 4. the failing step eager without padding rows: if it passes, padded rows influence
    real rows -> padding-leak (for an access out of bounds: padded rows send the kernel
    outside its tensors -> out-of-bounds);
@@ -125,22 +128,22 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
     # 1b. state left by earlier builds: the step's *eager* output is wrong after this history
     # (for a replay: re-run it as an eager step, so the graph is out of the picture) but
     # right on a fresh backend with no history
-    if o in ("reference", "finite", "bounds") and k > 0:
-        as_eager = {"op": "eager", "batch": failing["batch"], "pad_to": failing.get("size") or failing.get("pad_to"),
-                    "poison": bool(failing.get("poison"))}
-        eager_wrong = failing["op"] == "eager" or rerun(upto[:k] + [as_eager]) is not None
-        if eager_wrong and rerun([as_eager]) is None:
-            return Diagnosis("stale-address", f"step {k}'s eager output is wrong ({o} oracle) after the earlier "
-                             "steps, but the same batch run alone on a fresh backend passes: the kernels read data "
-                             "an earlier step left in a persistent buffer that this step's build did not rewrite "
-                             "(a stale tail of an nnz-sized copy, vLLM #42604) — stale contents at a stable "
-                             "address. " + failure.message, o)
+    if o in ("reference", "finite", "bounds") and _eager_depends_on_history(rerun, upto, k):
+        return Diagnosis("stale-address", _stale_contents_text(k, o) + failure.message, o)
 
     # 3. concerns a replay of a captured graph
     if cap_idx is not None and graph_mode != "eager":
         swapped = copy.deepcopy(upto)
         swapped[cap_idx]["batch"] = copy.deepcopy(failing["batch"])
         if rerun(swapped) is None:
+            # the re-capture also changed what the earlier steps left in persistent buffers: when the
+            # step's eager forward, no graph involved, is wrong after the original history and right
+            # alone, that history is the cause and the frozen capture-time values are not
+            if o == "replay-eager" and _eager_depends_on_history(rerun, upto, k):
+                return Diagnosis("stale-address", "the replay disagrees with the eager forward, and "
+                                 + _stale_contents_text(k) + f"(Capturing graph {failing['size']} with the replayed "
+                                 "batch makes the failure vanish only because it rewrites that history.) "
+                                 + failure.message, o)
             return Diagnosis("laziness", f"capturing graph {failing['size']} with the replayed batch itself makes "
                              "the failure vanish, while every metadata tensor keeps its address and no kernel is "
                              "missing from the graph: values decided on the host from the capture-time batch "
@@ -221,6 +224,26 @@ def _rewritten_by_forward(backend_cls, cfg, steps: list[dict], graph_mode: str, 
     finally:
         if runner is not None:
             runner.close()
+
+
+def _eager_depends_on_history(rerun, upto: list[dict], k: int) -> bool:
+    """Experiment 1b: step ``k`` run as an eager step (a replay re-run without its graph) fails
+    after ``upto[:k]`` but passes alone on a fresh backend."""
+    failing = upto[k]
+    if k == 0:
+        return False
+    as_eager = {"op": "eager", "batch": failing["batch"], "pad_to": failing.get("size") or failing.get("pad_to"),
+                "poison": bool(failing.get("poison"))}
+    eager_wrong = failing["op"] == "eager" or rerun(upto[:k] + [as_eager]) is not None
+    return eager_wrong and rerun([as_eager]) is None
+
+
+def _stale_contents_text(k: int, oracle: str | None = None) -> str:
+    which = f" ({oracle} oracle)" if oracle else ""
+    return (f"step {k}'s eager output is wrong{which} after the earlier steps, but the same batch run alone on a "
+            "fresh backend passes: the kernels read data an earlier step left in a persistent buffer that this "
+            "step's build did not rewrite (a stale tail of an nnz-sized copy, vLLM #42604) — stale contents at a "
+            "stable address. ")
 
 
 def _capture_for(steps: list[dict], failing: dict) -> int | None:

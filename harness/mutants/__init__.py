@@ -13,7 +13,7 @@ from .padding import NanZeroLen, PadWithLastRequest, UninitPaddingAmax
 from .indexer import IndexerTwoDContextLens
 from .ragged import RaggedFreshAlloc, RaggedItemSync, RaggedStaleTail, StaleWorkspaceTail
 from .examples import (BackendHeldLens, ExampleItemInForward, ExamplePaddedPageMinusOne, ExampleSeqLensFresh,
-                       ExampleWorkspaceRealloc)
+                       ExampleUnguardedStage2, ExampleWorkspaceRealloc)
 from .sglang_style import CaptureOwnIndices
 from .layers import IndexerOncePerStep, PoolRebasedBlockTable, SharedOutputBuffer
 from .build_state import ContextLensInPlace, TileCounterPerBuild
@@ -54,6 +54,9 @@ ALL = {
     # measured untouched (caught in 1 example at seeds 0 and 1, named stale-address both times)
     "context-lens-in-place": ContextLensInPlace,
     "tile-counter-per-build": TileCounterPerBuild,
+    # held out from 2026-11-28 to 2026-11-29 (caught at every measurement, named laziness at some
+    # seeds): moved here with the diagnosis change it proves (experiment 1b after a replay)
+    "example-unguarded-stage2": ExampleUnguardedStage2,
 }
 
 EXPECTED = {
@@ -89,6 +92,8 @@ EXPECTED = {
     # a forward rewrites metadata in place that a second forward on the same build reads
     "context-lens-in-place": {"layer-state"},
     "tile-counter-per-build": {"layer-state"},
+    # stage 2 merges splits stage 1 left unwritten: stale contents at a stable address
+    "example-unguarded-stage2": {"stale-address"},
 }
 
 #: Mutants whose only symptom is an access outside the kernel's tensors: the bounds check of
@@ -98,6 +103,6 @@ INTERPRETER_ONLY = frozenset({"example-padded-page-minus-one"})
 
 #: Mutants not yet in a GPU matrix (the README's table is GPU runs, row for row): added when
 #: no device time was left; ``mla-fuzz mutants --graph cuda`` runs them like any other.
-NOT_YET_ON_GPU: frozenset = frozenset()
+NOT_YET_ON_GPU: frozenset = frozenset({"example-unguarded-stage2"})
 
 __all__ = ["ALL", "EXPECTED", "INTERPRETER_ONLY", "NOT_YET_ON_GPU"] + [c.__name__ for c in ALL.values()]

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from mla_fuzz.examples.triton_decode import TritonDecodeBackend
+from mla_fuzz.examples.triton_decode import TritonDecodeBackend, decode_stage1, decode_stage2
 
 
 class ExampleSeqLensFresh(TritonDecodeBackend):
@@ -90,3 +90,45 @@ class BackendHeldLens(TritonDecodeBackend):
 
     def forward(self, q, kv_cache, metadata):
         return super().forward(q, kv_cache, dataclasses.replace(metadata, seq_lens=self._seq_lens_now))
+
+
+class ExampleUnguardedStage2(TritonDecodeBackend):
+    """The example's two-stage split-KV decode with vLLM's stage-1 guard but not its stage-2 one:
+    stage 1 writes nothing for an empty split (``if split_kv_end > split_kv_start`` in vLLM's
+    ``_fwd_kernel_stage1``), while stage 2 merges every split of the workspace, relying on an
+    lse of -inf that the workspace held only when it was allocated (the constructor fills it).
+    Empty splits are common: the split count is the host's, from the longest sequence (and
+    frozen at capture), so shorter rows and early MTP tokens get splits with no keys. Once
+    earlier steps have written the workspace, those splits merge an earlier step's partial
+    output and lse into the row. Needs two or more splits: rows of more than ``min_split_len``
+    keys."""
+
+    name = "example-unguarded-stage2"
+
+    def __init__(self, spec, **kw) -> None:
+        super().__init__(spec, **kw)
+        ws = self._workspace.view(-1, spec.kv_lora_rank + 1)
+        ws[:, :-1].zero_()
+        ws[:, -1].fill_(float("-inf"))  # "an empty split reads as empty": until the buffer is reused
+
+    def forward(self, q, kv_cache, metadata):
+        md, spec = metadata, self.spec
+        pad, s_q, h, rank = md.padded_size, md.next_n, spec.num_heads, spec.kv_lora_rank
+        if tuple(q.shape) != (pad, s_q, h, spec.d_qk):
+            raise ValueError(f"q must be [pad={pad}, next_n={s_q}, h={h}, d_qk={spec.d_qk}], got {tuple(q.shape)}")
+        splits = self._splits(md)
+        q_rows = q.reshape(pad * s_q, h, spec.d_qk).contiguous()
+        out = torch.empty(pad, s_q, h, rank, dtype=q.dtype, device=q.device)
+        lse = torch.empty(pad, h, s_q, dtype=q.dtype, device=q.device)
+        before = md.workspace.clone()
+        decode_stage1(q_rows, kv_cache, kv_cache[..., :rank], md.block_table, md.seq_lens, md.workspace,
+                      spec.softmax_scale, s_q, splits)
+        # the stage-1 guard: a split with no keys keeps what the workspace held
+        tok = torch.arange(s_q, device=q.device)
+        visible = (md.seq_lens.to(torch.int64)[:, None] - s_q + tok[None, :] + 1).clamp(min=0)  # [pad, s_q]
+        split_len = (visible + splits - 1) // splits
+        start = torch.arange(splits, device=q.device)[None, None, :] * split_len[..., None]
+        empty = (start >= visible[..., None]).reshape(pad * s_q, 1, splits, 1)
+        md.workspace.copy_(torch.where(empty, before, md.workspace))
+        decode_stage2(md.workspace, out.view(pad * s_q, h, rank), lse, s_q)
+        return out, lse

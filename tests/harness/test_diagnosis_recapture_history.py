@@ -1,0 +1,51 @@
+"""Diagnosis experiment 3 (capture with the replayed batch) is confounded when the replay reads
+stale buffer contents: the re-capture also rewrites what the earlier steps left in the
+persistent buffers. Then the failing step's eager forward -- no graph involved -- is wrong after
+the scenario's history and right on a fresh backend (experiment 1b's test), and that history,
+not a value frozen at capture, is the cause: stale-address.
+
+The backend is the example's two-stage split-KV decode with stage 2 merging splits stage 1 left
+unwritten (``example-unguarded-stage2``); its split count is a host int frozen at capture, so the
+replay and the eager check partition differently and the replay-eager oracle fires first."""
+from __future__ import annotations
+
+import copy
+
+from mla_fuzz.examples.triton_decode import TritonDecodeBackend
+from mla_fuzz.harness.diagnosis import diagnose
+from mla_fuzz.harness.executor import run_steps
+from mla_fuzz.harness.mutants import EXPECTED, ExampleUnguardedStage2
+from mla_fuzz.harness.scenario import ScenarioConfig
+from mla_fuzz.mla_ref import ModelSpec
+
+CFG = ScenarioConfig(spec=ModelSpec.tiny(num_heads=8).to_dict(), kv_dtype="fp16", q_dtype="fp16", page_size=64,
+                     next_n=2, capture_sizes=[8], max_pages_per_seq=8, seed=31356, pool_pages=84)
+
+
+def _batch(seed, seq_lens):
+    return {"seed": seed, "seq_lens": seq_lens, "q_lens": [2] * len(seq_lens), "max_decode_len": 2}
+
+
+# a short capture batch (few splits), then a replay whose longest row asks for more
+STEPS = [{"op": "capture", "size": 8, "batch": _batch(410, [2, 63]), "warmups": 3, "share": False},
+         {"op": "replay", "size": 8, "batch": _batch(18268, [2, 512]), "poison": False}]
+AS_EAGER = {"op": "eager", "batch": STEPS[1]["batch"], "pad_to": 8, "poison": False}
+
+
+def test_the_parent_passes_the_scenario():
+    assert run_steps(TritonDecodeBackend, CFG, STEPS, "emulated") is None
+
+
+def test_recapture_vanishing_with_a_history_dependent_eager_step_is_stale_contents():
+    f = run_steps(ExampleUnguardedStage2, CFG, STEPS, "emulated")
+    assert f is not None and f.oracle == "replay-eager" and f.step == 1, f
+    # the confound: capturing with the replayed batch makes it vanish (experiment 3 alone says laziness) ...
+    recaptured = copy.deepcopy(STEPS)
+    recaptured[0]["batch"] = copy.deepcopy(STEPS[1]["batch"])
+    assert run_steps(ExampleUnguardedStage2, CFG, recaptured, "emulated") is None
+    # ... but the step's eager forward is wrong after the same history and right alone
+    assert run_steps(ExampleUnguardedStage2, CFG, STEPS[:1] + [AS_EAGER], "emulated") is not None
+    assert run_steps(ExampleUnguardedStage2, CFG, [AS_EAGER], "emulated") is None
+    d = diagnose(ExampleUnguardedStage2, CFG, STEPS, f, "emulated")
+    assert d.cls in EXPECTED["example-unguarded-stage2"], d.explanation
+    assert "wrong after the earlier steps" in d.explanation and "rewrites that history" in d.explanation, d.explanation
