@@ -22,7 +22,12 @@ way: one each on a record-layout view, values gathered past a row's run, the MTP
 and a capture-only host bound, in the classes the held-out set had least of (contiguity,
 padding-leak, cache-corruption, capture-divergence); measured untouched on the search as it then
 stood (``benchmarks/results/cpu-2026-11-29-fresh5-before.json``: 8/8 found in 1-3 examples,
-named right).
+named right). Two more (``example-append-only-block-table``, ``mtp-slots-sized-by-requests``)
+were written the same way: a block table updated by appending (stale pages of a row's earlier
+occupant at a stable address) and a per-token buffer sized by requests (an MTP build raises, the
+first ``backend-error`` of the set); measured untouched on the search as it then stood
+(``benchmarks/results/cpu-2026-11-29-fresh6-before.json``: 4/4 found in 1-2 examples, named
+right).
 
 ``HELDOUT`` maps name -> backend class; ``HELDOUT_EXPECTED`` maps name -> diagnosis classes
 that are a correct explanation of that bug.
@@ -507,6 +512,60 @@ class ExampleCaptureKeyBound(SGLangStyleBackend):
         return res, None
 
 
+class ExampleAppendOnlyBlockTable(TritonDecodeBackend):
+    """The example's persistent block table updated by appending, vLLM-style: the builder
+    keeps each row's page count from the last step on the host (``num_blocks_per_row``) and
+    writes only the columns of the pages a row gained since (``append_row``: decode adds at
+    most a page per step, so the upload is one column instead of a whole row), on the
+    persistent-batch reasoning that a request keeps its row until it finishes. A row whose
+    page count shrank is taken for a new request and rewritten whole (``add_row``); padded rows
+    are rewritten (null block) and counted empty. But a new request landing in a row (a
+    finished request's row reused, rows condensed or reordered between steps) with as many or
+    more pages than the row had is "grown": its first columns keep the previous occupant's
+    pages, at the same address, and the kernel attends them. vLLM's ``BlockTable`` resets the
+    row's count in ``add_row`` when a request arrives; this builder has no request identity and
+    drops that reset. Eager steps and replays alike: any step after one whose row held other
+    pages than the same row's request now has, with no fewer pages."""
+
+    name = "example-append-only-block-table"
+
+    def build(self, batch):
+        before = self._block_table.clone()  # what earlier steps left in the persistent table
+        md = super().build(batch)
+        B, pad, cols = batch.batch_size, batch.padded_size, self.max_blocks_per_seq
+        known = self.__dict__.setdefault("_pages_in_row", [0] * self.max_batch)
+        pages = [-(-int(s) // batch.page_size) for s in batch.seq_lens.tolist()]
+        kept = torch.zeros(pad, cols, dtype=torch.bool)
+        for b in range(pad):
+            if b < B and pages[b] >= known[b]:  # "the same request, grown": append its new pages only
+                kept[b] = True
+                kept[b, known[b]:pages[b]] = False
+            known[b] = pages[b] if b < B else 0  # shrunk rows and padded rows were rewritten whole
+        old = before[:pad * cols].view(pad, cols)
+        md.block_table.copy_(torch.where(kept.to(md.block_table.device), old, md.block_table))
+        return md
+
+
+class MTPSlotsSizedByRequests(TritonMLABackend):
+    """The persistent ``slot_mapping`` (int64, one entry per query *token*) allocated like the
+    per-request buffers beside it, at ``max_batch`` entries (SGLang's CUDA-graph runner sized
+    its token buffers ``max_bs`` before speculative decoding, now ``max_bs *
+    num_tokens_per_bs``; vLLM sizes its slot mapping by ``max_num_batched_tokens``, not
+    ``max_num_seqs``). Right for one token per request; an MTP build (``next_n > 1``) needs
+    ``pad * next_n`` entries, so once the padded batch is more than ``max_batch / next_n``
+    requests the build cannot stage the step's slots and raises (on a GPU, a raw kernel
+    writing the mapping would run past the buffer instead). Graph-safe backends only (eager
+    builds stage fresh tensors); MTP steps padded past ``max_batch / next_n``, capture,
+    warmup, replay or eager."""
+
+    name = "mtp-slots-sized-by-requests"
+
+    def _alloc_buffers(self):
+        super()._alloc_buffers()
+        # "one new token per request per decode step": sized like seq_lens
+        self._buffers["slot_mapping"] = torch.full((self.max_batch,), -1, dtype=torch.int64, device=self.device)
+
+
 HELDOUT = {
     "stale-slot-tail": StaleSlotTail,
     "sparse-frozen-width": SparseFrozenWidth,
@@ -525,6 +584,8 @@ HELDOUT = {
     "example-unmasked-values": ExampleUnmaskedValues,
     "mtp-lookahead-slots": MTPLookaheadSlots,
     "example-capture-key-bound": ExampleCaptureKeyBound,
+    "example-append-only-block-table": ExampleAppendOnlyBlockTable,
+    "mtp-slots-sized-by-requests": MTPSlotsSizedByRequests,
 }
 
 HELDOUT_EXPECTED = {
@@ -563,6 +624,10 @@ HELDOUT_EXPECTED = {
     "mtp-lookahead-slots": {"cache-corruption"},
     # the capture path alone sizes a host int from the capture batch; the graph freezes it
     "example-capture-key-bound": {"capture-divergence", "laziness"},
+    # a persistent table updated by appending: a row's earlier columns keep another request's pages
+    "example-append-only-block-table": {"stale-address"},
+    # a persistent per-token buffer sized by requests: an MTP build past max_batch / next_n raises
+    "mtp-slots-sized-by-requests": {"backend-error"},
 }
 
 __all__ = ["HELDOUT", "HELDOUT_EXPECTED"] + [c.__name__ for c in HELDOUT.values()]
