@@ -28,6 +28,11 @@ L. (scenarios of several layers per step) every layer run alone, on the same ste
    scenario's earlier steps (so no graph is needed) but passes alone on a fresh backend, the
    output depends on what earlier builds left in persistent buffers (e.g. an nnz-sized copy
    leaving the previous step's tail, vLLM #42604) -> stale-address;
+S. (a replay failing replay-eager or reference) the replay run twice, then with every earlier
+   step's inputs drawn from other seeds (lengths kept: same shapes and host decisions): if it
+   reproduces and the new history changes its output, the graph reads leftovers of earlier
+   steps -> stale-address (a frozen capture-time value does not depend on earlier data; this
+   comes before 3, whose re-capture changes that history too);
 3. capturing with the replayed batch itself: if the failure disappears while every
    metadata address is stable and every kernel is present, the graph froze host-side
    values computed from the capture-time batch -> laziness (host-decided plan); unless the
@@ -53,7 +58,7 @@ from dataclasses import asdict, dataclass
 from .audit import OpLog
 from .blame import defined_at
 from .executor import ScenarioRunner, StepUnsupported, run_steps
-from .oracles import OracleFailure
+from .oracles import OracleFailure, compare_bitwise
 from .scenario import ScenarioConfig
 
 CLASSES = ("stale-address", "laziness", "contiguity", "padding-leak", "cache-corruption", "host-sync",
@@ -130,6 +135,17 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
     # right on a fresh backend with no history
     if o in ("reference", "finite", "bounds") and _eager_depends_on_history(rerun, upto, k):
         return Diagnosis("stale-address", _stale_contents_text(k, o) + failure.message, o)
+
+    # S. the replay's own output follows the data of earlier steps: re-drawn from other seeds
+    # (same lengths, so the same shapes and host decisions), they change it
+    if (o in ("replay-eager", "reference") and cap_idx is not None and graph_mode != "eager"
+            and _replay_reads_earlier_data(backend_cls, cfg, upto, graph_mode, device)):
+        return Diagnosis("stale-address", f"step {k}'s replay gives another output when the steps before it draw "
+                         "their inputs from other seeds (same lengths: the same shapes, split counts and other "
+                         "host decisions): the captured graph reads data an earlier step computed that this step "
+                         "did not rewrite (a workspace slot, a partial result, a tail of a buffer) — stale contents "
+                         f"at a stable address. Capturing graph {failing['size']} with the replayed batch may hide "
+                         "it, by changing that history. " + failure.message, o)
 
     # 3. concerns a replay of a captured graph
     if cap_idx is not None and graph_mode != "eager":
@@ -236,6 +252,50 @@ def _eager_depends_on_history(rerun, upto: list[dict], k: int) -> bool:
                 "poison": bool(failing.get("poison"))}
     eager_wrong = failing["op"] == "eager" or rerun(upto[:k] + [as_eager]) is not None
     return eager_wrong and rerun([as_eager]) is None
+
+
+#: added to an earlier step's batch seed by experiment S (any change of its data will do)
+_OTHER_DATA = 1_000_003
+
+
+def _replay_outputs(backend_cls, cfg, steps: list[dict], graph_mode: str, device) -> list | None:
+    """The last step's replay outputs (before its oracles), or None when an earlier step fails
+    or declines."""
+    runner = ScenarioRunner(backend_cls, cfg, graph_mode, device)
+    try:
+        for i, s in enumerate(steps):
+            try:
+                runner.apply(s)
+            except OracleFailure:
+                if i < len(steps) - 1:
+                    return None
+        return runner.last_replay
+    except StepUnsupported:
+        return None
+    finally:
+        runner.close()
+
+
+def _replay_reads_earlier_data(backend_cls, cfg, upto: list[dict], graph_mode: str, device) -> bool:
+    """Experiment S: the failing replay (``upto[-1]``) reproduces bit for bit, and gives another
+    output for its real rows when every earlier step's batch is drawn from another seed (its
+    lengths kept). A decode of one batch depends on that batch alone; a replay that follows what
+    earlier steps computed reads their leftovers."""
+    first = _replay_outputs(backend_cls, cfg, upto, graph_mode, device)
+    again = _replay_outputs(backend_cls, cfg, upto, graph_mode, device)
+    if first is None or again is None or len(first) != len(again):
+        return False
+    rows = len(upto[-1]["batch"]["seq_lens"])
+    if any(compare_bitwise(b[:rows], a[:rows]) is not None for a, b in zip(first, again)):
+        return False  # not reproducible: another run differs anyway, so the experiment says nothing
+    other = copy.deepcopy(upto)
+    for s in other[:-1]:
+        if "batch" in s:
+            s["batch"]["seed"] = int(s["batch"]["seed"]) + _OTHER_DATA
+    varied = _replay_outputs(backend_cls, cfg, other, graph_mode, device)
+    if varied is None or len(varied) != len(first):
+        return False
+    return any(compare_bitwise(b[:rows], a[:rows]) is not None for a, b in zip(first, varied))
 
 
 def _stale_contents_text(k: int, oracle: str | None = None) -> str:

@@ -144,6 +144,8 @@ class ScenarioRunner:
         # with ``eager_own_build``: the metadata fields (paths) whose contents after the last
         # replay differ from what a new build of the same batch writes
         self.rewritten: list[str] = []
+        # the outputs of the last replay, before any oracle looked at them (diagnosis experiment S)
+        self.last_replay: list[torch.Tensor] | None = None
         self.captures: dict[int, Captured] = {}
         # coverage notes of the steps run so far ((key, value, amount)), drained by the search
         self._notes: list[tuple] = []
@@ -537,6 +539,7 @@ class ScenarioRunner:
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
             self._shared = self._shared_outputs(outs)
             replayed = [t.clone() for t in outs]
+        self.last_replay = replayed
         after = self.world.kv_pool.clone()
         self.world.kv_pool.copy_(before)
         log = OpLog()

@@ -27,7 +27,9 @@ were written the same way: a block table updated by appending (stale pages of a 
 occupant at a stable address) and a per-token buffer sized by requests (an MTP build raises, the
 first ``backend-error`` of the set); measured untouched on the search as it then stood
 (``benchmarks/results/cpu-2026-11-29-fresh6-before.json``: 4/4 found in 1-2 examples, named
-right).
+right). ``example-unguarded-stage2`` (stage 2 merging splits stage 1 left unwritten), one of the
+first set, moved to ``ALL`` on 2026-11-29 with the diagnosis change written for it (experiments
+3 and S): once worked on, a mutant no longer measures the unseen.
 
 ``HELDOUT`` maps name -> backend class; ``HELDOUT_EXPECTED`` maps name -> diagnosis classes
 that are a correct explanation of that bug.

@@ -14,7 +14,7 @@ import copy
 from mla_fuzz.examples.triton_decode import TritonDecodeBackend
 from mla_fuzz.harness.diagnosis import diagnose
 from mla_fuzz.harness.executor import run_steps
-from mla_fuzz.harness.mutants import EXPECTED, ExampleUnguardedStage2
+from mla_fuzz.harness.mutants import EXPECTED, ExampleUnguardedStage2, HostSplitDecision
 from mla_fuzz.harness.scenario import ScenarioConfig
 from mla_fuzz.mla_ref import ModelSpec
 
@@ -49,3 +49,43 @@ def test_recapture_vanishing_with_a_history_dependent_eager_step_is_stale_conten
     d = diagnose(ExampleUnguardedStage2, CFG, STEPS, f, "emulated")
     assert d.cls in EXPECTED["example-unguarded-stage2"], d.explanation
     assert "wrong after the earlier steps" in d.explanation and "rewrites that history" in d.explanation, d.explanation
+
+
+# The replay-only shape (found on the GPU): a graph captured for a long row (many splits, frozen)
+# replays a short one, whose empty splits hold what an earlier replay wrote there. The eager
+# check partitions the short row by its own, smaller split count: no empty split, no history
+# dependence, so experiment 1b cannot see it; experiment S can.
+CFG_S = ScenarioConfig(spec=ModelSpec.tiny(num_heads=8).to_dict(), kv_dtype="fp16", q_dtype="fp16", page_size=64,
+                       next_n=2, capture_sizes=[4], max_pages_per_seq=8, seed=7, pool_pages=84)
+STEPS_S = [{"op": "capture", "size": 4, "batch": _batch(11, [512]), "warmups": 0, "share": False},
+           {"op": "replay", "size": 4, "batch": _batch(13, [500]), "poison": False},
+           {"op": "replay", "size": 4, "batch": _batch(12, [2]), "poison": False}]
+
+
+def test_a_replay_reading_an_earlier_replays_leftovers_is_stale_contents():
+    assert run_steps(TritonDecodeBackend, CFG_S, STEPS_S, "emulated") is None
+    f = run_steps(ExampleUnguardedStage2, CFG_S, STEPS_S, "emulated")
+    assert f is not None and f.oracle == "replay-eager" and f.step == 2, f
+    as_eager = {"op": "eager", "batch": STEPS_S[2]["batch"], "pad_to": 4, "poison": False}
+    assert run_steps(ExampleUnguardedStage2, CFG_S, STEPS_S[:2] + [as_eager], "emulated") is None  # 1b sees nothing
+    recaptured = copy.deepcopy(STEPS_S)
+    recaptured[0]["batch"] = copy.deepcopy(STEPS_S[2]["batch"])
+    assert run_steps(ExampleUnguardedStage2, CFG_S, recaptured, "emulated") is None  # experiment 3 would say laziness
+    d = diagnose(ExampleUnguardedStage2, CFG_S, STEPS_S, f, "emulated")
+    assert d.cls in EXPECTED["example-unguarded-stage2"], d.explanation
+    assert "draw their inputs from other seeds" in d.explanation, d.explanation
+
+
+def test_a_split_frozen_at_capture_stays_laziness():
+    """A host-side plan frozen into the graph does not depend on what earlier steps computed:
+    experiment S leaves it to experiment 3."""
+    cfg = ScenarioConfig(spec=ModelSpec.tiny(num_heads=4).to_dict(), page_size=16, next_n=1, capture_sizes=[2],
+                         max_pages_per_seq=16, seed=3)
+    one = {"seed": 1, "seq_lens": [1, 1], "q_lens": [1, 1], "max_decode_len": 1}  # no split at capture ...
+    two = {"seed": 2, "seq_lens": [200, 9], "q_lens": [1, 1], "max_decode_len": 1}  # ... for a row that needs one
+    steps = [{"op": "capture", "size": 2, "batch": one, "warmups": 0, "share": False},
+             {"op": "replay", "size": 2, "batch": two, "poison": False}]
+    f = run_steps(HostSplitDecision, cfg, steps, "emulated")
+    assert f is not None and f.oracle == "replay-eager" and f.step == 1, f
+    d = diagnose(HostSplitDecision, cfg, steps, f, "emulated")
+    assert d.cls in EXPECTED["host-split-decision"], d.explanation
