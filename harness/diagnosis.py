@@ -260,7 +260,7 @@ _OTHER_DATA = 1_000_003
 
 def _replay_outputs(backend_cls, cfg, steps: list[dict], graph_mode: str, device) -> list | None:
     """The last step's replay outputs (before its oracles), or None when an earlier step fails
-    or declines."""
+    or declines, or the last step fails before its graph runs."""
     runner = ScenarioRunner(backend_cls, cfg, graph_mode, device)
     try:
         for i, s in enumerate(steps):

@@ -503,6 +503,7 @@ class ScenarioRunner:
                                        self.index)
 
     def _step_replay(self, step: dict) -> None:
+        self.last_replay = None  # a replay that fails before its graph runs leaves none
         size, draw, poison = step["size"], step["batch"], bool(step.get("poison"))
         cap = self.captures.get(size)
         if cap is None:
