@@ -158,14 +158,21 @@ def fuzz(backend_ref: str, *, spec: ModelSpec | str = "tiny", graph_mode: str = 
     except BudgetExhausted:
         found = None
     except HypothesisException as exc:
-        # Ending the search from inside a scenario (budget or stop) can surface as
-        # Hypothesis' "inconsistent data generation" when it lands on a replayed prefix.
-        # With no failure pending that is a normal end. With one pending, the failure did
-        # not reproduce while being shrunk (Hypothesis' Flaky family): it is reported as
-        # found, unshrunk and marked flaky, never dropped. Anything else is a real error.
+        # Ending the search from inside a scenario (budget, stop, or the shrink's time bound)
+        # can surface as Hypothesis' "inconsistent data generation" when it lands on a replayed
+        # prefix. With no failure pending that is a normal end. With one pending and the
+        # shrink's time spent, the shrink was cut: the smallest failure so far is reported, as
+        # when ShrinkTimeUp arrives plainly. Otherwise the failure did not reproduce while
+        # being shrunk (Hypothesis' Flaky family): it is reported as found, unshrunk and marked
+        # flaky, never dropped. Anything else is a real error.
         stopped = (camp.deadline is not None and time.monotonic() > camp.deadline) or (
             should_stop is not None and should_stop())
-        if camp.first_failure is not None:
+        first = camp.stats.get("first_failure")
+        shrink_cut = (first is not None and camp.shrink_seconds is not None
+                      and time.monotonic() > first["time"] + camp.shrink_seconds)
+        if shrink_cut and camp.latest_failure is not None:
+            found = camp.latest_failure
+        elif camp.first_failure is not None:
             found = camp.first_failure
             flaky = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         elif stopped or isinstance(exc, Unsatisfiable):
