@@ -134,7 +134,7 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
     # (for a replay: re-run it as an eager step, so the graph is out of the picture) but
     # right on a fresh backend with no history
     if o in ("reference", "finite", "bounds") and _eager_depends_on_history(rerun, upto, k):
-        return Diagnosis("stale-address", _stale_contents_text(k, o) + failure.message, o)
+        return Diagnosis("stale-address", _stale_contents_text(backend_cls, k, o) + failure.message, o)
 
     # S. the replay's own output follows the data of earlier steps: re-drawn from other seeds
     # (same lengths, so the same shapes and host decisions), they change it
@@ -145,7 +145,7 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                          "host decisions): the captured graph reads data an earlier step computed that this step "
                          "did not rewrite (a workspace slot, a partial result, a tail of a buffer) — stale contents "
                          f"at a stable address. Capturing graph {failing['size']} with the replayed batch may hide "
-                         "it, by changing that history. " + failure.message, o)
+                         f"it, by changing that history. {_leftovers_hint(backend_cls)}" + failure.message, o)
 
     # 3. concerns a replay of a captured graph
     if cap_idx is not None and graph_mode != "eager":
@@ -157,9 +157,9 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
             # alone, that history is the cause and the frozen capture-time values are not
             if o == "replay-eager" and _eager_depends_on_history(rerun, upto, k):
                 return Diagnosis("stale-address", "the replay disagrees with the eager forward, and "
-                                 + _stale_contents_text(k) + f"(Capturing graph {failing['size']} with the replayed "
-                                 "batch makes the failure vanish only because it rewrites that history.) "
-                                 + failure.message, o)
+                                 + _stale_contents_text(backend_cls, k) + f"(Capturing graph {failing['size']} "
+                                 "with the replayed batch makes the failure vanish only because it rewrites that "
+                                 "history.) " + failure.message, o)
             return Diagnosis("laziness", f"capturing graph {failing['size']} with the replayed batch itself makes "
                              "the failure vanish, while every metadata tensor keeps its address and no kernel is "
                              "missing from the graph: values decided on the host from the capture-time batch "
@@ -200,7 +200,7 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                              "reads, as every later attention layer of an engine's step does, and warmups sharing a "
                              "build (a length rewritten in place, two metadata fields sharing memory). " + fields
                              + f"Keep what a forward computes in scratch of its own (the forward: "
-                             f"{defined_at(backend_cls.forward) or backend_cls.__name__ + '.forward'}). "
+                             f"{_forward_site(backend_cls)}). "
                              + failure.message, o)
     if o == "replay-eager":
         return Diagnosis("stale-address", "replay diverges from an eager forward of the same batch although the "
@@ -298,12 +298,22 @@ def _replay_reads_earlier_data(backend_cls, cfg, upto: list[dict], graph_mode: s
     return any(compare_bitwise(b[:rows], a[:rows]) is not None for a, b in zip(first, varied))
 
 
-def _stale_contents_text(k: int, oracle: str | None = None) -> str:
+def _forward_site(backend_cls) -> str:
+    return defined_at(backend_cls.forward) or backend_cls.__name__ + ".forward"
+
+
+def _leftovers_hint(backend_cls) -> str:
+    return ("Find the buffer it keeps across steps (a workspace, a metadata tail) whose unwritten part the "
+            "kernels still read, and rewrite or mask that part every step (the forward: "
+            f"{_forward_site(backend_cls)}). ")
+
+
+def _stale_contents_text(backend_cls, k: int, oracle: str | None = None) -> str:
     which = f" ({oracle} oracle)" if oracle else ""
     return (f"step {k}'s eager output is wrong{which} after the earlier steps, but the same batch run alone on a "
             "fresh backend passes: the kernels read data an earlier step left in a persistent buffer that this "
             "step's build did not rewrite (a stale tail of an nnz-sized copy, vLLM #42604) — stale contents at a "
-            "stable address. ")
+            "stable address. " + _leftovers_hint(backend_cls))
 
 
 def _capture_for(steps: list[dict], failing: dict) -> int | None:

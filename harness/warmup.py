@@ -11,9 +11,10 @@ Generic, for any backend: the scenarios are ordinary ``ScenarioConfig`` + steps 
 ``executor.ScenarioRunner`` (the worker's ``warmup`` task), spanning what the search draws
 inside the backend's declared capabilities (``loading.effective_capabilities``, narrowed by
 the user): each KV dtype with its query dtype, each head count the spec varies, next_n 1 and
-the largest (every next_n where the spec has one head count), each data path (``strategies.PATHS``, sparse with and without the device
-indexer), each page size, short and long scenarios (long rows make split kernels run), two
-capture sizes with replays at both (and a middle length where the short and long ones leave a
+the largest (every next_n where the spec has one head count), each data path
+(``strategies.PATHS``, sparse with and without the device indexer), each page size, short and
+long scenarios (long rows make split kernels run), two capture sizes with replays at both (and
+a middle length where the short and long ones leave a
 class of Triton's integer specialization unreached, ``dimensions``). Their product is far too
 large, so the list covers every *pair* of values of any two of those dimensions
 (``pairwise``): about 50 scenarios at tiny size on a GPU, 20 at DeepSeek-V3 size. Each scenario captures after an eager warm-up forward on the

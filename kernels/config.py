@@ -15,7 +15,8 @@ import torch
 
 from mla_fuzz.mla_ref import ModelSpec
 
-__all__ = ["DecodeConfig", "KERNEL_NAMES", "UNSPECIALIZED_DECODE_INTEGERS", "interpreting", "next_pow2", "check_spec_supported", "sm_count"]
+__all__ = ["DecodeConfig", "KERNEL_NAMES", "UNSPECIALIZED_DECODE_INTEGERS", "interpreting", "next_pow2",
+           "check_spec_supported", "sm_count"]
 
 #: integer arguments of every split-KV decode kernel that follow the batch rather than the model:
 #: the block table's row stride (pages per sequence), the partial buffer's rows and the tokens

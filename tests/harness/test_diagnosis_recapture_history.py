@@ -49,6 +49,7 @@ def test_recapture_vanishing_with_a_history_dependent_eager_step_is_stale_conten
     d = diagnose(ExampleUnguardedStage2, CFG, STEPS, f, "emulated")
     assert d.cls in EXPECTED["example-unguarded-stage2"], d.explanation
     assert "wrong after the earlier steps" in d.explanation and "rewrites that history" in d.explanation, d.explanation
+    assert "(the forward: harness/mutants/examples.py:" in d.explanation, d.explanation  # the author's line
 
 
 # The replay-only shape (found on the GPU): a graph captured for a long row (many splits, frozen)
@@ -74,6 +75,7 @@ def test_a_replay_reading_an_earlier_replays_leftovers_is_stale_contents():
     d = diagnose(ExampleUnguardedStage2, CFG_S, STEPS_S, f, "emulated")
     assert d.cls in EXPECTED["example-unguarded-stage2"], d.explanation
     assert "draw their inputs from other seeds" in d.explanation, d.explanation
+    assert "(the forward: harness/mutants/examples.py:" in d.explanation, d.explanation
 
 
 def test_a_split_frozen_at_capture_stays_laziness():
