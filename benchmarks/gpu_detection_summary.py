@@ -44,6 +44,9 @@ def summarise(matrix: dict, log: str) -> dict:
         "wall_s": matrix.get("wall_s"), "warmup_s": matrix.get("warmup_s"),
         "oom_notices": log.count("ran out of GPU memory"),
         "zygote_imports_s": float(zygote.group(1)) if zygote else None,
+        # workers (and the command) forked from a running `mla-fuzz server`: its imports were
+        # paid before the command started and are not in these seconds
+        "in_server": "forked from the mla-fuzz server" in log,
         "clean_triton": None if clean is None else {k: clean.get(k) for k in
                                                     ("caught", "examples", "diagnosis", "oracle", "message",
                                                      "oom_retries")},

@@ -10,6 +10,9 @@
 #   and WORKERS workers to ready, one process's per-scenario kernel loads): where the seconds
 #   before a row's first example go;
 # - DeepSeek-V3 size, cold then warm, on its own empty cache; then the held-out set there.
+# - srv-tiny-cold, srv-tiny-warm, srv-dsv3-cold, srv-dsv3-warm: the same with an `mla-fuzz server`
+#   running (started before the phase on that phase's cache, its imports not counted, stopped at
+#   the end): the command and its workers fork from it instead of importing torch and triton.
 # PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold);
 # EXTRA="--only a,b" adds arguments to every matrix; BUNDLE=FILE.tgz also packs OUTDIR into one
 # file at the end (a machine that hands back only a few files loses none of the phases').
@@ -34,6 +37,13 @@ matrix() {  # name cache-dir args...
     tail -n 4 "$OUT/$name.txt"
     [ "$r" -gt "$rc" ] && rc=$r
 }
+SERVED=" "
+server_for() {  # cache-dir: an mla-fuzz server for commands on that cache, started once
+    case $SERVED in *" $1 "*) return ;; esac
+    TRITON_CACHE_DIR="$1" "$PY" -m mla_fuzz.harness.cli server start --graph cuda >>"$OUT/server.txt" 2>&1
+    echo "server for $1: exit $?"; tail -n 1 "$OUT/server.txt"
+    SERVED="$SERVED$1 "
+}
 # DETECTION_CACHE: a Triton cache folder kept after the run (phases of later commands read
 # what earlier ones compiled); default: a new empty folder, removed at the end
 C=${DETECTION_CACHE:-$(mktemp -d)}
@@ -48,9 +58,13 @@ for phase in ${PHASES:-tiny-cold tiny-warm startup heldout-warm dsv3-cold dsv3-w
         heldout-warm) matrix "$phase" "$C/tiny" --spec tiny --set heldout ;;
         dsv3-cold|dsv3-warm) matrix "$phase" "$C/dsv3" --spec deepseek-v3 ;;
         heldout-dsv3-warm) matrix "$phase" "$C/dsv3" --spec deepseek-v3 --set heldout ;;
+        srv-tiny-cold|srv-tiny-warm) server_for "$C/srv-tiny"; matrix "$phase" "$C/srv-tiny" --spec tiny ;;
+        srv-dsv3-cold|srv-dsv3-warm) server_for "$C/srv-dsv3"; matrix "$phase" "$C/srv-dsv3" --spec deepseek-v3 ;;
+        srv-heldout-warm) server_for "$C/srv-tiny"; matrix "$phase" "$C/srv-tiny" --spec tiny --set heldout ;;
         *) echo "ci/gpu_detection.sh: unknown phase $phase" >&2; exit 2 ;;
     esac
 done
+[ "$SERVED" = " " ] || "$PY" -m mla_fuzz.harness.cli server stop --all >>"$OUT/server.txt" 2>&1
 [ -n "${DETECTION_CACHE:-}" ] || rm -rf "$C"
 if [ -n "${BUNDLE:-}" ]; then
     tar czf "$BUNDLE" -C "$OUT" . || rc=1

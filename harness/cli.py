@@ -244,6 +244,21 @@ def _build_parser() -> _Parser:
     wu.add_argument("--json", default=None, metavar="FILE", help="write what the warmup did as JSON")
     wu.add_argument("--quiet", action="store_true", help="no progress lines")
 
+    sv = sub.add_parser("server", help="keep torch and triton imported between commands (opt-in)",
+                        description="A background process that imports torch, torch._dynamo and triton once and "
+                        "forks each later command of this environment, and its workers, from there, so they start "
+                        "without those imports (docs/cli.md, 'The server'). It never touches CUDA and imports no "
+                        "backend. MLA_FUZZ_SERVER=0 makes a command ignore it. Exit 0 done, 2 usage error, 3 the "
+                        "server could not start.")
+    sv.add_argument("action", choices=("start", "stop", "status"),
+                    help="start one for this environment (if none runs), stop it (or every one: --all), list them")
+    sv.add_argument("--graph", default="auto", choices=GRAPHS,
+                    help="the graph mode of the commands it is for (default auto: cuda with a GPU, else "
+                         "emulated): on the CPU the workers import triton interpreted")
+    sv.add_argument("--idle-minutes", default=None, metavar="M",
+                    help="exit after M minutes without a command (default 30)")
+    sv.add_argument("--all", action="store_true", help="with stop: every server of this user")
+
     from .bisect import add_bisect_parser  # stdlib-only module: cheap at parser build
     add_bisect_parser(sub)
 
@@ -864,40 +879,131 @@ def cmd_bench(args) -> int:
     return code
 
 
+def cmd_server(args) -> int:
+    from . import server
+    if args.action != "start" and args.idle_minutes is not None:
+        raise UsageError("--idle-minutes goes with start")
+    if args.action != "stop" and args.all:
+        raise UsageError("--all goes with stop")
+    if not server.enabled():
+        raise UsageError("the server needs Linux (fork, Unix sockets); MLA_FUZZ_SERVER=0 and MLA_FUZZ_ZYGOTE=0 "
+                         "turn it off")
+    env = _expected_worker_env(args.graph)
+    key = server.key_for(env)
+    if args.action == "status":
+        recs = server.records()
+        if not recs:
+            print("no mla-fuzz server runs for this user")
+        for rec in recs:
+            mine = " (this environment)" if rec["key"] == key else ""
+            print(f"pid {rec['pid']}{mine}: graph {rec.get('graph')}, up {_ago(rec['since'])}, imports took "
+                  f"{rec['preload_s']:.1f}s, exits after {rec['idle_s'] / 60:g} min idle; python {rec['python']}; "
+                  f"socket {rec['socket']}")
+        return EXIT_OK
+    if args.action == "stop":
+        recs = server.records() if args.all else [r for r in server.records() if r["key"] == key]
+        if not recs:
+            print("no mla-fuzz server runs" + ("" if args.all else " for this environment"))
+        for rec in recs:
+            done = server.stop(rec)
+            print(f"server pid {rec['pid']}: " + ("stopped" if done else
+                  "no longer takes commands; it exits when the commands it runs end"))
+        return EXIT_OK
+    idle = server.IDLE_MINUTES
+    if args.idle_minutes is not None:
+        try:
+            idle = float(args.idle_minutes)
+        except ValueError:
+            idle = -1.0
+        if not idle > 0:
+            raise UsageError(f"--idle-minutes must be a positive number of minutes, got {args.idle_minutes!r}")
+    tty = sys.stderr.isatty()
+
+    def progress(waited: float) -> None:
+        if tty:
+            print(f"\r[mla-fuzz] server importing torch, torch._dynamo, triton... {waited:.0f}s", end="",
+                  file=sys.stderr, flush=True)
+    try:
+        rec, new = server.start(env, args.graph, idle, progress=progress)
+    except (RuntimeError, OSError) as exc:
+        if tty:
+            print(file=sys.stderr)
+        print(f"mla-fuzz server: could not start: {exc}", file=sys.stderr)
+        return EXIT_INTERNAL
+    if tty:
+        print(file=sys.stderr)
+    if new:
+        print(f"mla-fuzz server: ready, pid {rec['pid']}, imports took {rec['preload_s']:.1f}s; commands of this "
+              f"environment (graph {args.graph}) now start in it; it exits after {idle:g} min without one, or with "
+              "`mla-fuzz server stop`")
+    else:
+        print(f"mla-fuzz server: already running for this environment, pid {rec['pid']} (up {_ago(rec['since'])})")
+    return EXIT_OK
+
+
+def _ago(since: float) -> str:
+    s = max(0, int(time.time() - since))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 COMMANDS = {"run": cmd_run, "replay": cmd_replay, "merge": cmd_merge, "mutants": cmd_mutants, "bisect": cmd_bisect,
-            "bench": cmd_bench, "warmup": cmd_warmup}
+            "bench": cmd_bench, "warmup": cmd_warmup, "server": cmd_server}
 
 
 #: commands that run their work in worker processes (``harness.pool``)
 _POOL_COMMANDS = ("run", "mutants", "warmup", "replay")
 
 
-def _prestart_workers(argv: list[str]) -> None:
-    """For a command that will start workers, start their zygote (``harness.zygote``) before
-    this process imports torch (building the parser does), so the workers' imports overlap
-    the command's own. Reads only the command name and ``--graph`` from ``argv``: the parser
-    still judges them (a bad command line costs a zygote that exits with this process)."""
+def _pool_graph(argv: list[str], *, replays: bool = False) -> str | None:
+    """The ``--graph`` of a command in ``argv`` that starts workers (``replay`` only with
+    ``--isolate``, unless ``replays``), else None. Reads only the command name and ``--graph``:
+    the parser still judges them."""
     words = [a for a in argv if not a.startswith("-")]
     if not words or words[0] not in _POOL_COMMANDS or any(a in ("-h", "--help") for a in argv):
-        return
-    if words[0] == "replay" and "--isolate" not in argv:
-        return  # replays run in this process unless a repro is a crash or hang (then: no head start)
+        return None
+    if words[0] == "replay" and "--isolate" not in argv and not replays:
+        return None  # replays run in this process unless a repro is a crash or hang (then: no head start)
     graph = "auto"
     for i, a in enumerate(argv):
         if a == "--graph" and i + 1 < len(argv):
             graph = argv[i + 1]
         elif a.startswith("--graph="):
             graph = a.split("=", 1)[1]
-    from .zygote import prestart
-    prestart(_expected_worker_env(graph))
+    return graph
 
 
-def main(argv=None) -> int:
-    """Entry point of the ``mla-fuzz`` console script; returns the exit status."""
+def _prestart_workers(argv: list[str]) -> None:
+    """For a command that will start workers, start their zygote (``harness.zygote``) before
+    this process imports torch (building the parser does), so the workers' imports overlap
+    the command's own (a bad command line costs a zygote that exits with this process)."""
+    graph = _pool_graph(argv)
+    if graph is not None:
+        from .zygote import prestart
+        prestart(_expected_worker_env(graph))
+
+
+def _in_server(argv: list[str], started: float) -> int | None:
+    """A command that starts workers, or replays, runs in the mla-fuzz server for its
+    environment when one runs (``harness.server``): its exit status, else None."""
+    graph = _pool_graph(argv, replays=True)
+    if graph is None:
+        return None
+    from . import server
+    return server.run_command(argv, _expected_worker_env(graph), started)
+
+
+def main(argv=None, started: float | None = None) -> int:
+    """Entry point of the ``mla-fuzz`` console script; returns the exit status. ``started``:
+    the epoch time the user started the command, when that was another process (the server's
+    client)."""
     global _COMMAND_START
     # the console script / ``python -m`` (no argv): the user started the command when this
     # process started; an in-process call starts it now
-    _COMMAND_START = process_start() if argv is None else time.time()
+    _COMMAND_START = started or (process_start() if argv is None else time.time())
+    if argv is None:
+        code = _in_server(sys.argv[1:], _COMMAND_START)
+        if code is not None:
+            return code
     _prestart_workers(sys.argv[1:] if argv is None else list(argv))
     parser = _build_parser()
     try:

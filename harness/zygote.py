@@ -53,6 +53,12 @@ def _preload() -> float:
     torch = sys.modules["torch"]
     if torch.cuda.is_initialized():  # a fork would inherit a CUDA context no child can use
         raise RuntimeError("CUDA was initialised while importing " + ", ".join(PRELOAD))
+    # The imports leave some 300k objects that live as long as the process. Every full
+    # collection in a child would walk them again (and write to their pages, which a fork then
+    # copies); frozen, collections skip them. Measured on the H200: registering our custom ops
+    # in a forked worker was most of its first example's time (benchmarks/first_example.py).
+    import gc
+    gc.freeze()
     return time.monotonic() - t0
 
 
@@ -216,6 +222,26 @@ class Zygote:
             log.close()
         threading.Thread(target=self._read, daemon=True, name="mla-fuzz-zygote").start()
 
+    @classmethod
+    def attach(cls, sock: socket.socket, hello: dict) -> "Zygote":
+        """A handle on a running server (``harness.server``) that greeted ``sock`` with
+        ``hello``: it forks workers as a zygote does and outlives this process."""
+        self = cls.__new__(cls)
+        self.origin = "server"
+        self.dead = False
+        self.reason = None
+        self.preload_s = hello.get("preload_s")
+        self.server_pid = hello.get("pid")
+        self.ready = threading.Event()
+        self.ready.set()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting, self._procs, self._early = {}, {}, {}
+        self._sock = sock
+        self.proc = None
+        threading.Thread(target=self._read, daemon=True, name="mla-fuzz-server").start()
+        return self
+
     def _read(self) -> None:
         while True:
             try:
@@ -249,7 +275,7 @@ class Zygote:
         with self._lock:
             self.dead = True
             if self.reason is None:
-                self.reason = f"it ended ({self.proc.poll()})"
+                self.reason = f"it ended ({self.proc.poll()})" if self.proc is not None else "the server ended"
             waiting = list(self._waiting.values())
             self._waiting.clear()
         for slot in waiting:
@@ -270,7 +296,8 @@ class Zygote:
             self._waiting[rid] = slot
         stdin_r, stdin_w = os.pipe()
         try:
-            socket.send_fds(self._sock, [json.dumps({"id": rid, "argv": argv, "env": env}).encode()],
+            req = {"id": rid, "argv": argv, "env": env, "run": "worker", "cwd": os.getcwd()}
+            socket.send_fds(self._sock, [json.dumps(req).encode()],
                             [stdin_r, log_fd, msg_fd])
         except OSError as exc:
             os.close(stdin_w)
@@ -303,7 +330,7 @@ class Zygote:
             self._sock.close()
         except OSError:
             pass
-        if self.proc.poll() is None:  # it holds nothing to flush: no reason to wait for it
+        if self.proc is not None and self.proc.poll() is None:  # it holds nothing to flush
             self.proc.kill()
             self.proc.wait()
 
@@ -346,8 +373,23 @@ def for_env(env: dict, python: str | None = None, origin: str = "pool") -> Zygot
         if not _ZYGOTES:
             import atexit
             atexit.register(close_all)
-        z = _ZYGOTES[key] = Zygote(env, python, origin=origin)
+        z = _ZYGOTES[key] = _from_server(env) or Zygote(env, python, origin=origin)
     return z
+
+
+def _from_server(env: dict) -> Zygote | None:
+    """A handle on the running server (``harness.server``) for workers with ``env``, if any."""
+    from . import server
+    if not server.enabled():
+        return None
+    got = server._connect(server.key_for(env))
+    if got is None:
+        return None
+    sock, hello = got
+    if hello.get("t") != "ready":
+        sock.close()
+        return None
+    return Zygote.attach(sock, hello)
 
 
 def close_all() -> None:
@@ -372,13 +414,19 @@ def _main(argv=None) -> int:
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
-    return serve(sock)
+    code = serve(sock)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: it would only walk the frozen imports
 
 
 def describe(z: Zygote) -> str:
     """How a pool's workers started, for reports: ``forked from one process that imported ...``."""
-    when = "as the command started" if z.origin == "command" else "by the pool"
     took = "" if z.preload_s is None else f" in {z.preload_s:.1f}s"
+    if z.origin == "server":
+        return (f"forked from the mla-fuzz server (pid {z.server_pid}; `mla-fuzz server stop` ends it) "
+                f"that imported {', '.join(PRELOAD)} once{took} when it started")
+    when = "as the command started" if z.origin == "command" else "by the pool"
     return f"forked from one process (started {when}) that imported {', '.join(PRELOAD)} once{took}"
 
 

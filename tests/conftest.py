@@ -25,6 +25,10 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
     interpreter_patches.install()
 
+# A developer's `mla-fuzz server` must not run the suite's commands: the server tests turn it
+# on for themselves, with servers of their own (tests/cli/test_server.py).
+os.environ["MLA_FUZZ_SERVER"] = "0"
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # `ci` is loaded by Hypothesis itself when CI is set (derandomized, no database).
