@@ -147,6 +147,23 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                          f"at a stable address. Capturing graph {failing['size']} with the replayed batch may hide "
                          f"it, by changing that history. {_leftovers_hint(backend_cls)}" + failure.message, o)
 
+    # E. the eager forward that checks a replay is the wrong side: with the replay-eager
+    # comparison set aside, that forward fails the reference even on a build of its own, while
+    # the same batch run alone on a fresh backend passes: it read what the replay (or an earlier
+    # step) left in state kept across builds. Asked inside 3 (a re-capture also rewrites that
+    # state) and before the last resort.
+    def eager_check_reads_leftovers() -> Diagnosis | None:
+        if not (o == "replay-eager" and failing["op"] == "replay" and cap_idx is not None and graph_mode != "eager"
+                and _eager_check_reads_leftovers(backend_cls, cfg, upto, graph_mode, device, rerun)):
+            return None
+        return Diagnosis("stale-address", f"the eager forward that checks the replay at step {k} disagrees with "
+                         "the reference model, even on a build of its own, while the same batch run alone on a "
+                         "fresh backend passes: that forward reads what the replay, or an earlier step, left in "
+                         "memory the backend keeps across builds (a workspace slot, partial results of another "
+                         "split layout, the tail of a buffer) - stale contents at a stable address, which a replay "
+                         "can read just as well. Capturing the graph with the replayed batch may hide it by "
+                         f"changing what was left. {_leftovers_hint(backend_cls)}" + failure.message, o)
+
     # 3. concerns a replay of a captured graph
     if cap_idx is not None and graph_mode != "eager":
         swapped = copy.deepcopy(upto)
@@ -160,6 +177,9 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                                  + _stale_contents_text(backend_cls, k) + f"(Capturing graph {failing['size']} "
                                  "with the replayed batch makes the failure vanish only because it rewrites that "
                                  "history.) " + failure.message, o)
+            leftovers = eager_check_reads_leftovers()
+            if leftovers is not None:
+                return leftovers
             return Diagnosis("laziness", f"capturing graph {failing['size']} with the replayed batch itself makes "
                              "the failure vanish, while every metadata tensor keeps its address and no kernel is "
                              "missing from the graph: values decided on the host from the capture-time batch "
@@ -203,6 +223,9 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                              f"{_forward_site(backend_cls)}). "
                              + failure.message, o)
     if o == "replay-eager":
+        leftovers = eager_check_reads_leftovers()
+        if leftovers is not None:
+            return leftovers
         return Diagnosis("stale-address", "replay diverges from an eager forward of the same batch although the "
                          "metadata audit saw stable addresses: the graph reads a tensor the audit cannot see "
                          "(allocated outside the metadata object) that was replaced after capture. "
@@ -240,6 +263,37 @@ def _rewritten_by_forward(backend_cls, cfg, steps: list[dict], graph_mode: str, 
     finally:
         if runner is not None:
             runner.close()
+
+
+def _eager_check_reads_leftovers(backend_cls, cfg, upto: list[dict], graph_mode: str, device, rerun) -> bool:
+    """Experiment E: with the replay-eager oracle set aside and the checking eager forward on a
+    build of its own, the failing replay step (``upto[-1]``) fails the reference on that eager
+    forward, not on the replay; and the batch run eagerly alone on a fresh backend passes."""
+    runner = None
+    try:
+        runner = ScenarioRunner(backend_cls, cfg, graph_mode, device, eager_own_build=True,
+                                skip_oracles=("replay-eager",))
+        for i, s in enumerate(upto):
+            try:
+                runner.apply(s)
+            except OracleFailure as f:
+                if i < len(upto) - 1:
+                    return False
+                blamed_eager = f.oracle in ("reference", "finite") and "eager forward" in f.message
+                break
+        else:
+            return False
+    except StepUnsupported:
+        return False
+    finally:
+        if runner is not None:
+            runner.close()
+    if not blamed_eager:
+        return False
+    failing = upto[-1]
+    alone = {"op": "eager", "batch": failing["batch"], "pad_to": failing.get("size"),
+             "poison": bool(failing.get("poison"))}
+    return rerun([alone]) is None
 
 
 def _eager_depends_on_history(rerun, upto: list[dict], k: int) -> bool:

@@ -78,6 +78,48 @@ def test_a_replay_reading_an_earlier_replays_leftovers_is_stale_contents():
     assert "(the forward: harness/mutants/examples.py:" in d.explanation, d.explanation
 
 
+# The eager-check shape (a shrunk CPU repro, seed 2): the graph, captured for one short row,
+# replays right; the eager forward that checks it partitions the long row into more splits than
+# the replay wrote, and the short rows' empty splits merge what the replay left there. Only the
+# check is wrong, and only after the replay: 1b replaces the replay by an eager step, S varies the
+# replay's own inputs, R gives the check a build of its own -- none of them sees it. Experiment E
+# sets the replay-eager comparison aside: the check fails the reference; alone it passes.
+CFG_E = ScenarioConfig(spec=ModelSpec.tiny(num_heads=1).to_dict(), kv_dtype="fp16", q_dtype="fp16", page_size=4,
+                       next_n=1, capture_sizes=[3], max_pages_per_seq=24, seed=0, pool_pages=82)
+STEPS_E = [{"op": "capture", "size": 3, "batch": {"seed": 0, "seq_lens": [1], "q_lens": [1], "max_decode_len": 1},
+            "warmups": 0, "share": False},
+           {"op": "replay", "size": 3, "batch": {"seed": 0, "seq_lens": [1, 1, 95], "q_lens": [1, 1, 1],
+                                                 "max_decode_len": 1}, "poison": False}]
+
+
+def test_an_eager_check_reading_the_replays_leftovers_is_stale_contents():
+    from mla_fuzz.harness.executor import ScenarioRunner
+    from mla_fuzz.harness.oracles import OracleFailure
+
+    assert run_steps(TritonDecodeBackend, CFG_E, STEPS_E, "emulated") is None
+    f = run_steps(ExampleUnguardedStage2, CFG_E, STEPS_E, "emulated")
+    assert f is not None and f.oracle == "replay-eager" and f.step == 1, f
+    # with the comparison set aside, the reference blames the eager check, not the replay ...
+    runner = ScenarioRunner(ExampleUnguardedStage2, CFG_E, "emulated", eager_own_build=True,
+                            skip_oracles=("replay-eager",))
+    try:
+        runner.apply(STEPS_E[0])
+        try:
+            runner.apply(STEPS_E[1])
+            raise AssertionError("the eager check passed the reference")
+        except OracleFailure as blamed:
+            assert blamed.oracle == "reference" and "eager forward" in blamed.message, blamed
+    finally:
+        runner.close()
+    # ... and the same batch alone passes
+    assert run_steps(ExampleUnguardedStage2, CFG_E, [{"op": "eager", "batch": STEPS_E[1]["batch"], "pad_to": 3,
+                                                      "poison": False}], "emulated") is None
+    d = diagnose(ExampleUnguardedStage2, CFG_E, STEPS_E, f, "emulated")
+    assert d.cls in EXPECTED["example-unguarded-stage2"], d.explanation
+    assert "the eager forward that checks the replay at step 1 disagrees with the reference" in d.explanation
+    assert "(the forward: harness/mutants/examples.py:" in d.explanation, d.explanation
+
+
 def test_a_split_frozen_at_capture_stays_laziness():
     """A host-side plan frozen into the graph does not depend on what earlier steps computed:
     experiment S leaves it to experiment 3."""
