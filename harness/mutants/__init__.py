@@ -101,9 +101,8 @@ EXPECTED = {
 #: oracle looks at, so ``mla-fuzz mutants --graph cuda`` lists them as not applicable.
 INTERPRETER_ONLY = frozenset({"example-padded-page-minus-one"})
 
-#: Mutants without a row in the README's GPU table (GPU runs, row for row), named in its text:
-#: ``example-unguarded-stage2`` ran in GPU detection matrices only before diagnosis experiment S,
-#: and no device time was left after it; ``mla-fuzz mutants --graph cuda`` runs them like any other.
-NOT_YET_ON_GPU: frozenset = frozenset({"example-unguarded-stage2"})
+#: Mutants without a row in the README's GPU table (GPU runs, row for row), named in its text;
+#: none now. ``mla-fuzz mutants --graph cuda`` runs them like any other.
+NOT_YET_ON_GPU: frozenset = frozenset()
 
 __all__ = ["ALL", "EXPECTED", "INTERPRETER_ONLY", "NOT_YET_ON_GPU"] + [c.__name__ for c in ALL.values()]
