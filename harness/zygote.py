@@ -340,9 +340,11 @@ class Zygote:
 IMPORT_ENV_PREFIXES = ("TORCH", "PYTORCH", "TRITON", "CUDA", "NVIDIA", "LD_", "PYTHON", "OMP_", "MKL_",
                        "KMP_", "GOMP", "OPENBLAS", "NUMPY", "HYPOTHESIS")
 #: ... except these, which are read later (CUDA's at the first CUDA call, thread counts set by
-#: the worker itself): workers of one pool differ in them
+#: the worker itself): workers of one pool differ in them. ``TORCHINDUCTOR_CACHE_DIR`` is
+#: set by ``torch._dynamo``'s own import when missing, so a process that imported it would
+#: otherwise never match a zygote started before
 LATE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
-                      "OMP_NUM_THREADS", "PYTHONUNBUFFERED"})
+                      "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCHINDUCTOR_CACHE_DIR"})
 #: zygotes kept per process (one per distinct import environment); the oldest goes first
 MAX_ZYGOTES = 2
 _ZYGOTES: dict[tuple, Zygote] = {}

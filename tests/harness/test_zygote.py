@@ -40,6 +40,8 @@ def test_import_key_keeps_what_the_imports_read_and_drops_what_workers_set_later
     # Triton decorates its own library's kernels when imported: interpreted or not is fixed then
     assert zygote.import_key({**one, "TRITON_INTERPRET": "1"}) != zygote.import_key(one)
     assert zygote.import_key({**one, "PYTHONPATH": "/x"}) != zygote.import_key(one)
+    # set by torch._dynamo's own import: a process that imported it still matches its zygote
+    assert zygote.import_key({**one, "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_u"}) == zygote.import_key(one)
 
 
 @pytest.mark.skipif(not zygote.enabled(), reason="MLA_FUZZ_ZYGOTE=0")
