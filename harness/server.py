@@ -147,8 +147,13 @@ def run_command(argv: list[str], worker_env: dict, started: float) -> int | None
                 if not data:
                     if pid is None:
                         return None  # the server went before it forked: nothing ran
-                    print(f"mla-fuzz: the mla-fuzz server ended while it ran this command (pid {pid}); "
-                          "its status is unknown", file=sys.stderr)
+                    # the command lives on (it is not the server's to end): stay attached, as the
+                    # user's terminal and Ctrl-C are, until it ends; only its status is lost
+                    while pid_alive(pid):
+                        time.sleep(0.2)
+                    print(f"mla-fuzz: the mla-fuzz server ended while it ran this command (pid {pid}); the "
+                          "command has ended, its exit status is unknown (its report and repros are where it "
+                          "was told to write them)", file=sys.stderr)
                     return 3
                 msg = json.loads(data)
                 if msg.get("t") == "forked":

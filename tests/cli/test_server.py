@@ -134,6 +134,27 @@ def test_a_client_that_dies_interrupts_its_command(served, tmp_path):
         time.sleep(0.2)
 
 
+def test_a_client_stays_attached_to_its_command_when_the_server_dies(tmp_path):
+    env = _env(tmp_path)
+    assert _cli(["server", "start", "--graph", "emulated"], env, tmp_path).returncode == 0
+    rec = json.loads(next((tmp_path / "servers").glob("*.json")).read_text())
+    proc = subprocess.Popen([sys.executable, "-m", "mla_fuzz.harness.cli", "run", "--graph", "emulated",
+                             "--budget", "8s", "--corpus", str(tmp_path / "c"), "--json", "rep.json"], env=env,
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    command = None
+    while command is None:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        kids = [p for p in _children(rec["pid"]) if Path(f"/proc/{p}/comm").read_text().strip() == "mla-fuzz"]
+        command = kids[0] if kids else None
+        time.sleep(0.1)
+    os.kill(rec["pid"], signal.SIGKILL)  # the OOM killer's choice, say
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3 and "the mla-fuzz server ended while it ran this command" in err, err
+    assert not pid_alive(command), "the client returned before its command ended"
+    assert json.loads((tmp_path / "rep.json").read_text())["elapsed_s"] >= 8.0  # the campaign ran its budget
+
+
 def test_another_environment_or_server_off_starts_its_own_imports(served, tmp_path):
     env, _, _ = served
     args = ["mutants", "--only", "item-in-capture", "--graph", "emulated", "--examples", "1", "--json", "o.json"]
