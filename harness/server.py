@@ -198,21 +198,15 @@ def _changed(before: dict) -> str | None:
 
 def _command_child(req: dict, fds: list[int], keep: list[int]) -> None:
     """In a forked child: run ``mla-fuzz req["argv"]`` as the client would have; never returns."""
-    code = 3
-    try:
-        os.setsid()
-        signal.set_wakeup_fd(-1)
-        for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    def setup() -> None:
+        zygote.detach(keep, req["env"], "mla-fuzz")
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(s, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for fd in keep:
-            os.close(fd)
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
             os.close(fd)
         os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
         sys.path[:] = req["sys_path"]
         sys.argv = ["mla-fuzz", *req["argv"]]
         # Python chose buffering from what the server's descriptors were: choose again for the user's
@@ -221,11 +215,8 @@ def _command_child(req: dict, fds: list[int], keep: list[int]) -> None:
         sys.stdout = sys.__stdout__ = open(1, "w", buffering=1 if unbuffered or os.isatty(1) else -1,
                                            closefd=False, errors="backslashreplace")
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-        try:
-            with open("/proc/self/comm", "w") as fh:
-                fh.write("mla-fuzz")
-        except OSError:
-            pass
+
+    def body() -> int:
         from . import cli
         try:
             code = cli.main(req["argv"], started=req["started"])
@@ -233,15 +224,8 @@ def _command_child(req: dict, fds: list[int], keep: list[int]) -> None:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         import atexit
         atexit._run_exitfuncs()  # what interpreter exit would run: the zygotes' and pools' ends
-    except BaseException:
-        import traceback
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code if isinstance(code, int) else 3)
+        return code
+    zygote.become(body, setup=setup)
 
 
 class _Conn:
@@ -314,18 +298,12 @@ def serve(sock_path: str, record_path: str, idle_s: float) -> int:
             continue
         if wake_r in ready:
             os.read(wake_r, 4096)
-        while owner:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, rc in (zygote.reap() if owner else ()):
             c = owner.pop(pid, None)
             if c is not None:
                 c.children.discard(pid)
                 c.commands.discard(pid)
-                c.send({"t": "exit", "pid": pid, "rc": zygote._status(status)})
+                c.send({"t": "exit", "pid": pid, "rc": rc})
             last = time.monotonic()
         if listener is not None and listener in ready:
             try:

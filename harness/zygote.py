@@ -62,30 +62,14 @@ def _preload() -> float:
     return time.monotonic() - t0
 
 
-def _child(req: dict, fds: list[int], keep: list[int]) -> None:
-    """In the forked child: become the worker ``req`` describes; never returns."""
+def become(body, *, setup) -> None:
+    """In a process just forked from a preloaded one: ``setup()``, then ``body()`` (its exit
+    status), then leave with that status; never returns. A traceback for anything raised,
+    stdio flushed, and ``os._exit``: the parent's exit handlers are not the child's to run."""
     code = 3
     try:
-        os.setsid()
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for fd in keep:
-            os.close(fd)
-        stdin_fd, log_fd, msg_fd = fds
-        os.dup2(stdin_fd, 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(stdin_fd)
-        os.close(log_fd)
-        os.environ.clear()
-        os.environ.update(req["env"])
-        try:  # `ps` shows the zygote's command line for a forked worker; its name says what it is
-            with open("/proc/self/comm", "w") as fh:
-                fh.write("mla-fuzz-worker")
-        except OSError:
-            pass
-        from mla_fuzz.harness import worker
-        code = worker.main([a.replace("{fd}", str(msg_fd)) for a in req["argv"]])
+        setup()
+        code = body()
     except BaseException:
         import traceback
         traceback.print_exc()
@@ -95,6 +79,57 @@ def _child(req: dict, fds: list[int], keep: list[int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code if isinstance(code, int) else 3)
+
+
+def detach(keep: list[int], env: dict, name: str) -> None:
+    """A forked child's first steps: its own session, the parent's signal plumbing undone and
+    descriptors ``keep`` closed, environment ``env`` in place of the parent's, and process
+    name ``name`` (``ps -o comm``, ``top``: the command line shown is the parent's)."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for fd in keep:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        with open("/proc/self/comm", "w") as fh:
+            fh.write(name)
+    except OSError:
+        pass
+
+
+def _child(req: dict, fds: list[int], keep: list[int]) -> None:
+    """In the forked child: become the worker ``req`` describes; never returns."""
+    stdin_fd, log_fd, msg_fd = fds
+
+    def setup() -> None:
+        detach(keep, req["env"], "mla-fuzz-worker")
+        os.dup2(stdin_fd, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(stdin_fd)
+        os.close(log_fd)
+
+    def body() -> int:
+        from mla_fuzz.harness import worker
+        return worker.main([a.replace("{fd}", str(msg_fd)) for a in req["argv"]])
+    become(body, setup=setup)
+
+
+def reap() -> list[tuple[int, int]]:
+    """``(pid, rc)`` of every child of this process that has ended, without waiting (``rc`` as
+    ``subprocess``: negative for a signal)."""
+    out = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        out.append((pid, _status(status)))
+    return out
 
 
 def _status(status: int) -> int:
@@ -125,15 +160,9 @@ def serve(sock: socket.socket) -> int:
         ready, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in ready:
             os.read(wake_r, 4096)
-        while children:  # reap every child that ended
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for pid, rc in (reap() if children else ()):
             children.discard(pid)
-            send({"t": "exit", "pid": pid, "rc": _status(status)})
+            send({"t": "exit", "pid": pid, "rc": rc})
         if sock not in ready:
             continue
         try:
