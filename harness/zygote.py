@@ -53,10 +53,9 @@ def _preload() -> float:
     torch = sys.modules["torch"]
     if torch.cuda.is_initialized():  # a fork would inherit a CUDA context no child can use
         raise RuntimeError("CUDA was initialised while importing " + ", ".join(PRELOAD))
-    # The imports leave some 300k objects that live as long as the process. Every full
-    # collection in a child would walk them again (and write to their pages, which a fork then
-    # copies); frozen, collections skip them. Measured on the H200: registering our custom ops
-    # in a forked worker was most of its first example's time (benchmarks/first_example.py).
+    # The imports leave objects that live as long as the process. Every full collection in a
+    # child would walk them again (and write to their pages, which a fork then copies); frozen,
+    # collections skip them (figures: docs/cli.md, "Workers and crash isolation").
     import gc
     gc.freeze()
     return time.monotonic() - t0
@@ -223,17 +222,7 @@ class Zygote:
 
     def __init__(self, env: dict, python: str | None = None, log_path: str | None = None, origin: str = "pool"):
         import subprocess
-        #: who started it: ``command`` (``prestart``, as the command began) or ``pool``
-        self.origin = origin
-        self.dead = False
-        self.reason: str | None = None   # why it cannot be used, once known
-        self.preload_s: float | None = None
-        self.ready = threading.Event()
-        self._lock = threading.Lock()
-        self._next = 0
-        self._waiting: dict[int, list] = {}      # request id -> [event, pid]
-        self._procs: dict[int, ForkedProcess] = {}
-        self._early: dict[int, int] = {}         # pid -> rc of an exit seen before its handle
+        self._state(origin)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(env)
         env["PYTHONUNBUFFERED"] = "1"
@@ -256,20 +245,29 @@ class Zygote:
         """A handle on a running server (``harness.server``) that greeted ``sock`` with
         ``hello``: it forks workers as a zygote does and outlives this process."""
         self = cls.__new__(cls)
-        self.origin = "server"
-        self.dead = False
-        self.reason = None
+        self._state("server")
         self.preload_s = hello.get("preload_s")
         self.server_pid = hello.get("pid")
-        self.ready = threading.Event()
         self.ready.set()
-        self._lock = threading.Lock()
-        self._next = 0
-        self._waiting, self._procs, self._early = {}, {}, {}
         self._sock = sock
         self.proc = None
         threading.Thread(target=self._read, daemon=True, name="mla-fuzz-server").start()
         return self
+
+    def _state(self, origin: str) -> None:
+        #: who started it: ``command`` (``prestart``, as the command began), ``pool``, or
+        #: ``server`` (a running ``mla-fuzz server``, attached to)
+        self.origin = origin
+        self.dead = False
+        self.reason: str | None = None   # why it cannot be used, once known
+        self.preload_s: float | None = None
+        self.server_pid: int | None = None
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._waiting: dict[int, list] = {}      # request id -> [event, pid]
+        self._procs: dict[int, ForkedProcess] = {}
+        self._early: dict[int, int] = {}         # pid -> rc of an exit seen before its handle
 
     def _read(self) -> None:
         while True:

@@ -55,7 +55,7 @@ ALL = {
     "context-lens-in-place": ContextLensInPlace,
     "tile-counter-per-build": TileCounterPerBuild,
     # held out from 2026-11-28 to 2026-11-29 (caught at every measurement, named laziness at some
-    # seeds): moved here with the diagnosis change it proves (experiment 1b after a replay)
+    # seeds): moved here with the diagnosis changes it proves (1b inside experiment 3, S, E)
     "example-unguarded-stage2": ExampleUnguardedStage2,
 }
 
