@@ -38,7 +38,11 @@ S. (a replay failing replay-eager or reference) the replay run twice, then with 
    values computed from the capture-time batch -> laziness (host-decided plan); unless the
    replay-eager oracle fired and 1b's test holds (the step's eager forward alone is wrong
    after this history, right on a fresh backend): the re-capture also rewrote that history,
-   so the stale contents are the cause -> stale-address;
+   so the stale contents are the cause -> stale-address; or unless E holds;
+E. (a replay failing replay-eager; asked inside 3 and before 5) that oracle set aside and the
+   eager forward that checks the replay given a build of its own: if the reference then blames
+   that eager forward while the same batch alone on a fresh backend passes, the check read
+   what the replay or an earlier step left in state kept across builds -> stale-address;
 4. the failing step eager without padding rows: if it passes, padded rows influence
    real rows -> padding-leak (for an access out of bounds: padded rows send the kernel
    outside its tensors -> out-of-bounds);
