@@ -41,6 +41,22 @@ if not os.environ.get("CI"):
     settings.load_profile(os.environ.get("MLA_FUZZ_HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_configure(config):
+    """Stop at once when the installed mla-fuzz is another checkout's: the tests' subprocesses
+    (``python -m mla_fuzz...`` from a temporary folder) would run its code while pytest runs
+    this one's, and fail far from the cause."""
+    import subprocess
+    here = os.path.realpath(os.path.join(TESTS_DIR, "..", "harness", "__init__.py"))
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util as u; "
+                            "print(u.find_spec('mla_fuzz.harness').origin)"],
+                           cwd="/", capture_output=True, text=True)
+    installed = os.path.realpath(probe.stdout.strip()) if probe.returncode == 0 else None
+    if installed != here:
+        where = os.path.dirname(os.path.dirname(installed)) if installed else "nowhere (not installed)"
+        pytest.exit(f"mla-fuzz is installed from {where}, not from this checkout "
+                    f"{os.path.dirname(TESTS_DIR)}: run `bash ci/setup.sh` here first", returncode=2)
+
+
 def pytest_collection_modifyitems(config, items):
     if _HAS_CUDA:
         return

@@ -17,7 +17,6 @@ import pytest
 from mla_fuzz.harness import server, zygote
 from mla_fuzz.harness.procs import pid_alive
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not zygote.enabled() or sys.platform != "linux",
                                 reason="the server needs Linux and the zygote")
 
@@ -88,7 +87,7 @@ def test_the_commands_clock_starts_when_the_client_did(served, tmp_path, monkeyp
     argv = ["mutants", "--only", "item-in-capture", "--graph", "emulated", "--examples", "2", "--json", "t.json"]
     started = time.time() - 40.0  # as if the client had started 40 s ago
     code = server.run_command(argv, cli._expected_worker_env("emulated"), started)
-    assert code == 0
+    assert code == 0, f"server at {served[2]['package']} (None: it does not serve this process, {server._PKG})"
     row = json.loads((tmp_path / "t.json").read_text())["rows"][0]
     assert row["caught"] and row["seconds_to_detect"] >= 40.0, row
 
@@ -169,7 +168,7 @@ def test_a_server_whose_code_changed_refuses_and_stops_and_the_command_runs_with
     r = _cli(["server", "start", "--graph", "emulated"], env, tmp_path)
     assert r.returncode == 0, r.stderr
     rec = json.loads(next((tmp_path / "servers").glob("*.json")).read_text())
-    procs_py = ROOT / "harness" / "procs.py"  # a module the server imported
+    procs_py = Path(rec["package"]) / "harness" / "procs.py"  # a module the server imported
     st = os.stat(procs_py)
     os.utime(procs_py, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     try:
