@@ -283,7 +283,7 @@ def _eager_check_reads_leftovers(backend_cls, cfg, upto: list[dict], graph_mode:
             except OracleFailure as f:
                 if i < len(upto) - 1:
                     return False
-                blamed_eager = f.oracle in ("reference", "finite") and "eager forward" in f.message
+                blamed_eager = f.oracle in ("reference", "finite") and (f.evidence or {}).get("checked") == "eager"
                 break
         else:
             return False

@@ -344,7 +344,9 @@ class ScenarioRunner:
                                                **scale)))
         return refs
 
-    def _check_reference(self, outs, refs, batch: DecodeBatch, what: str) -> None:
+    def _check_reference(self, outs, refs, batch: DecodeBatch, what: str, side: str) -> None:
+        """Each layer's ``outs`` against the reference; a failure's evidence says which forward
+        was checked (``checked``: ``eager`` or ``replay``), as the diagnosis asks."""
         B = batch.batch_size
         for (i, lo), (_, ref) in zip(self.per_layer(outs), refs):
             try:
@@ -353,9 +355,10 @@ class ScenarioRunner:
                 else:
                     check_out_lse(lo[0][:B], lo[1][:B] if len(lo) > 1 else None, ref[0], ref[1], what, self.index)
             except OracleFailure as f:
+                f.evidence = dict(f.evidence or {}, checked=side)
                 raise self._named(f, i) from None
 
-    def _check_finite(self, outs, batch: DecodeBatch, what: str) -> None:
+    def _check_finite(self, outs, batch: DecodeBatch, what: str, side: str) -> None:
         # Zero-length rows and padding tokens are defined as exact zeros; only NaN/inf in real
         # rows count.
         B = batch.batch_size
@@ -363,7 +366,7 @@ class ScenarioRunner:
             rows = nonfinite_rows(lo[0][:B]) if B else []
             if rows:
                 raise OracleFailure("finite", f"{self.layer_tag(i)}{what}: non-finite values in real rows {rows}",
-                                    self.index, {"rows": rows, "layer": i})
+                                    self.index, {"rows": rows, "layer": i, "checked": side})
 
     def _check_integrity(self, before: torch.Tensor, batch: DecodeBatch, what: str, after: torch.Tensor) -> None:
         """Slots this step does not write are bitwise unchanged in every layer's cache (``after``
@@ -598,7 +601,7 @@ class ScenarioRunner:
                                         self.index, {"rows": m.rows, "layer": i})
 
     def _oracle_finite(self, phase: str, o: "Outcome") -> None:
-        self._check_finite(o.outs, o.batch, o.what)
+        self._check_finite(o.outs, o.batch, o.what, "eager" if phase == "eager" else "replay")
 
     def _loose(self) -> bool:
         # the backend declares that its graph may run another valid schedule than eager (a
@@ -624,9 +627,9 @@ class ScenarioRunner:
     def _oracle_reference(self, phase: str, o: "Outcome") -> None:
         ref = self._reference(o.batch, o.q, o.hidden, o.positions, o.before, o.eager)
         what = "eager" if phase == "eager" else f"replay step (eager forward, padded to {o.size})"
-        self._check_reference(o.eager, ref, o.batch, what)
+        self._check_reference(o.eager, ref, o.batch, what, "eager")
         if phase == "replay" and self._loose():
-            self._check_reference(o.outs, ref, o.batch, o.what)
+            self._check_reference(o.outs, ref, o.batch, o.what, "replay")
 
     def _oracle_address(self, phase: str, o: "Outcome") -> None:
         self._audit_addresses(o.size, o.meta)
