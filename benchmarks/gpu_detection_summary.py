@@ -22,6 +22,7 @@ from pathlib import Path
 
 FORMAT = "mla-fuzz-gpu-detection/1"
 _ZYGOTE = re.compile(r"imported torch.* once in ([0-9.]+)s")
+_WORKERS = re.compile(r"\] ([0-9.]+)s: workers: ")
 
 
 def summarise(matrix: dict, log: str) -> dict:
@@ -33,6 +34,7 @@ def summarise(matrix: dict, log: str) -> dict:
     examples = [r["examples_to_detect"] for r in caught if r["examples_to_detect"] is not None]
     clean = next((r for r in rows if r["backend"] == "triton"), None)
     zygote = _ZYGOTE.search(log)
+    workers = _WORKERS.search(log)
     return {
         "rows": len(mutants), "rows_caught": len(caught), "named_right": sum(1 for r in caught if r["matches"]),
         "median_seconds_to_detect": round(statistics.median(seconds), 1) if seconds else None,
@@ -44,6 +46,8 @@ def summarise(matrix: dict, log: str) -> dict:
         "wall_s": matrix.get("wall_s"), "warmup_s": matrix.get("warmup_s"),
         "oom_notices": log.count("ran out of GPU memory"),
         "zygote_imports_s": float(zygote.group(1)) if zygote else None,
+        # when the command had its workers forked (MPS daemons started first, where asked)
+        "workers_forked_s": float(workers.group(1)) if workers else None,
         # workers (and the command) forked from a running `mla-fuzz server`: its imports were
         # paid before the command started and are not in these seconds
         "in_server": "forked from the mla-fuzz server" in log,

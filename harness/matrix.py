@@ -100,7 +100,7 @@ def run_matrix(names: list[str], expected: dict, *, graph: str, spec: str, examp
         try:
             pool.start()
             if on_note is not None and pool.launcher:
-                on_note(f"workers: {pool.launcher}" + ("" if daemons is None else ", under MPS"))
+                on_note(f"{clock.now():.1f}s: workers: {pool.launcher}" + ("" if daemons is None else ", under MPS"))
             driver = _Rows(pending, rows, len(tasks), expected, graph, case_timeout, corpus, on_row, on_sight, clock,
                            on_note)
             if warmup is not None:

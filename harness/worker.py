@@ -254,6 +254,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGUSR1, _on_stop)
     # The terminal's Ctrl-C goes to the parent's process group only; ignore a stray one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if os.environ.get("MLA_FUZZ_CUDA_EARLY") == "1":  # set by the parent for GPU workers only
+        from mla_fuzz.harness.cuda_early import open_primary_context
+        open_primary_context()
     try:
         import importlib
 

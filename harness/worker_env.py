@@ -13,7 +13,8 @@ def worker_envs(workers: str | int, mode: str, device_count: int | None = None,
     ``workers``: an int >= 1 or ``"auto"``. GPU modes (``cuda``, and ``eager`` when a GPU is
     visible) give each worker one GPU by ``CUDA_VISIBLE_DEVICES`` (round robin when there are
     more workers than GPUs, so ``N`` workers on one GPU share it; ``auto`` = one per GPU)
-    and one intra-op thread. CPU modes (``emulated``, ``eager``
+    and one intra-op thread; ``MLA_FUZZ_CUDA_EARLY=1`` in the caller's environment has each
+    create its CUDA context while it imports (default ``0``). CPU modes (``emulated``, ``eager``
     without a GPU) run the kernels through Triton's interpreter (``TRITON_INTERPRET=1``) with
     no GPU visible; ``auto`` = one per CPU core, and torch's intra-op threads are split among
     the workers so they do not oversubscribe the cores.
@@ -37,6 +38,9 @@ def worker_envs(workers: str | int, mode: str, device_count: int | None = None,
         # sharing a GPU box would oversubscribe its cores (measured: a campaign with
         # torch's default threads ran 5x slower on a busy 2-core host). One thread each.
         extra = {"MLA_FUZZ_TORCH_THREADS": "1"}
+        # it will use the GPU: where asked, its CUDA context is made while it imports
+        # (``harness.cuda_early``; off by default until its effect is measured, docs/cli.md)
+        extra["MLA_FUZZ_CUDA_EARLY"] = os.environ.get("MLA_FUZZ_CUDA_EARLY", "0")
         if "OMP_NUM_THREADS" not in os.environ:
             extra["OMP_NUM_THREADS"] = "1"
         return [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)], **extra} for i in range(n)]

@@ -209,6 +209,11 @@ def test_worker_envs_gpu(monkeypatch):
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2", "3", "0", "1"]
     # GPU workers run one intra-op thread each, whatever the core count
     assert all(e["MLA_FUZZ_TORCH_THREADS"] == "1" for e in envs)
+    # ... and make their CUDA context while importing when the caller's environment asks
+    monkeypatch.delenv("MLA_FUZZ_CUDA_EARLY", raising=False)
+    assert all(e["MLA_FUZZ_CUDA_EARLY"] == "0" for e in worker_envs(2, "cuda", device_count=1, cpu_count=64))
+    monkeypatch.setenv("MLA_FUZZ_CUDA_EARLY", "1")
+    assert all(e["MLA_FUZZ_CUDA_EARLY"] == "1" for e in worker_envs(2, "cuda", device_count=1, cpu_count=64))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert all(e["OMP_NUM_THREADS"] == "1" for e in worker_envs(2, "cuda", device_count=1, cpu_count=64))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -226,6 +231,7 @@ def test_worker_envs_cpu(monkeypatch):
     assert len(envs) == 8
     assert all(e["TRITON_INTERPRET"] and e["CUDA_VISIBLE_DEVICES"] == "" for e in envs)
     assert all(e["OMP_NUM_THREADS"] == "1" for e in envs)
+    assert not any("MLA_FUZZ_CUDA_EARLY" in e for e in envs)  # a CPU worker never touches the GPU
     envs = worker_envs(2, "emulated", device_count=0, cpu_count=8)
     assert [e["MLA_FUZZ_TORCH_THREADS"] for e in envs] == ["4", "4"]
     assert len(worker_envs("auto", "eager", device_count=0, cpu_count=3)) == 3
