@@ -3,8 +3,8 @@
 Every ``mla-fuzz`` command that starts workers pays for importing torch, ``torch._dynamo``
 and triton before its first finding: seconds on a GPU machine (docs/cli.md, "The server"),
 paid once per command by its zygote (``harness.zygote``). A server pays them once per
-machine: it imports the zygote's modules (and nothing of ours beyond this module, the zygote
-and ``procs``; nothing of any backend), never touches CUDA, and listens on a Unix socket
+machine: it imports the zygote's modules (``zygote.PRELOAD`` and ``OWN_PRELOAD``: our harness
+and kernels, nothing of a user's backend), never touches CUDA, and listens on a Unix socket
 that only its user can reach. A command started while a server runs for its environment
 sends it its arguments, environment, working directory, ``sys.path``, start time and its
 own stdin, stdout and stderr; the server forks a child that runs the command in place of

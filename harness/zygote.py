@@ -11,8 +11,9 @@ then forks each worker on request: a child starts with those modules loaded, set
 environment (``CUDA_VISIBLE_DEVICES`` before its first CUDA call) and runs
 ``harness.worker``. Forking before CUDA is initialised is what PyTorch's own DataLoader does.
 
-Nothing of the backend under test is imported here: the worker loads it, so a backend's
-import-time effects stay in the worker. ``MLA_FUZZ_ZYGOTE=0`` starts workers as fresh
+Of mla-fuzz's own modules it imports the harness and our kernels (``OWN_PRELOAD``); nothing
+of a user's backend is imported here: the worker loads it, so a backend's import-time effects
+stay in the worker. ``MLA_FUZZ_ZYGOTE=0`` starts workers as fresh
 processes instead; so does a zygote that cannot start (``Zygote.reason`` says why, and the
 pool reports it).
 
@@ -38,6 +39,10 @@ from .procs import pid_alive
 
 #: what every worker imports before its first example (the order matters only for timing)
 PRELOAD = ("torch", "torch._dynamo", "triton", "numpy", "hypothesis")
+#: mla-fuzz's own modules, imported next: the harness every worker runs, and the Triton kernels
+#: that our backend, the mutants and the examples launch (their ``triton.jit`` decorators read
+#: and parse every kernel's source). A failure here is left for the worker to meet and report
+OWN_PRELOAD = ("mla_fuzz.harness.fuzz", "mla_fuzz.kernels", "mla_fuzz.harness.mutants")
 _RECORD = 1 << 20  # one request: its environment travels whole
 
 
@@ -50,9 +55,14 @@ def _preload() -> float:
         except ImportError:
             if name == "torch":
                 raise
+    for name in OWN_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the worker's own import of it reports the error
+            pass
     torch = sys.modules["torch"]
     if torch.cuda.is_initialized():  # a fork would inherit a CUDA context no child can use
-        raise RuntimeError("CUDA was initialised while importing " + ", ".join(PRELOAD))
+        raise RuntimeError("CUDA was initialised while importing " + ", ".join(PRELOAD + OWN_PRELOAD))
     # The imports leave objects that live as long as the process. Every full collection in a
     # child would walk them again (and write to their pages, which a fork then copies); frozen,
     # collections skip them (figures: docs/cli.md, "Workers and crash isolation").
@@ -454,9 +464,12 @@ def describe(z: Zygote) -> str:
     took = "" if z.preload_s is None else f" in {z.preload_s:.1f}s"
     if z.origin == "server":
         return (f"forked from the mla-fuzz server (pid {z.server_pid}; `mla-fuzz server stop` ends it) "
-                f"that imported {', '.join(PRELOAD)} once{took} when it started")
+                f"that imported {_WHAT} once{took} when it started")
     when = "as the command started" if z.origin == "command" else "by the pool"
-    return f"forked from one process (started {when}) that imported {', '.join(PRELOAD)} once{took}"
+    return f"forked from one process (started {when}) that imported {_WHAT} once{took}"
+
+
+_WHAT = ", ".join(PRELOAD) + " and mla-fuzz's harness and kernels"
 
 
 if __name__ == "__main__":

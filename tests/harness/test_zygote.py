@@ -3,7 +3,9 @@ as fresh processes did, only a zygote whose imports match the workers' serves th
 zygote that cannot start makes the pool start fresh processes and say why."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import signal
 import sys
 import time
@@ -152,3 +154,31 @@ def test_workers_outlive_a_killed_zygote_and_the_pool_then_starts_fresh_ones(tmp
     finally:
         pool.close(kill=True)
         zygote._ZYGOTES.pop(key, None)
+
+
+_NO_CUDA_PROBE = r"""
+import json, sys
+import torch
+asked = []
+def refuse(name):
+    def f(*a, **k):
+        asked.append(name)
+        raise RuntimeError(name + " asked while preloading")
+    return f
+# anything that runs cuInit in the zygote leaves every forked worker without CUDA
+for name in ("is_available", "device_count", "get_device_capability", "get_device_properties",
+             "current_device", "init", "_lazy_init", "set_device"):
+    setattr(torch.cuda, name, refuse("torch.cuda." + name))
+torch._C._cuda_getDeviceCount = refuse("torch._C._cuda_getDeviceCount")
+from mla_fuzz.harness import zygote
+zygote._preload()
+print(json.dumps({"asked": asked, "own": [m for m in zygote.OWN_PRELOAD if m in sys.modules]}))
+"""
+
+
+def test_the_preload_imports_our_harness_and_kernels_without_asking_cuda_anything():
+    r = subprocess.run([sys.executable, "-c", _NO_CUDA_PROBE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["asked"] == [], out
+    assert out["own"] == list(zygote.OWN_PRELOAD), out  # imported, not skipped over an error
