@@ -1,6 +1,6 @@
 """Where a worker's seconds go before its first finding (issue #44), N workers at once.
 
-The parent imports what the zygote and the server preload (``zygote.PRELOAD``), never
+The parent imports what the zygote and the server preload (``zygote._preload``), never
 touching CUDA, then forks ``N`` children together, as the server forks a command's workers.
 Each child, with one GPU worker's environment (``worker_envs``; ``--mps``: connected to a
 private MPS daemon as ``mutants --mps`` does), times from its fork:
@@ -35,6 +35,9 @@ FORMAT = "mla-fuzz-first-example/1"
 def _child(wfd: int, env: dict, backend: str, spec: str, graph: str, profile: bool) -> None:
     t0 = time.monotonic()
     os.environ.update(env)
+    if env.get("MLA_FUZZ_CUDA_EARLY") == "1":  # as harness.worker does (MLA_FUZZ_CUDA_EARLY=1 in the caller's env)
+        from mla_fuzz.harness.cuda_early import open_primary_context
+        open_primary_context()
     out: dict = {}
     prof = None
     if profile:
