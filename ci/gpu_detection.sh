@@ -14,6 +14,9 @@
 #   running (started before the phase on that phase's cache, its imports not counted, stopped at
 #   the end): the command and its workers fork from it instead of importing torch and triton.
 # PHASES="tiny-cold tiny-warm ..." picks and orders the phases (default: all but heldout-cold);
+# a phase written PHASE:KEY=VAL[,KEY=VAL...] runs its matrix with those variables set and is
+# named PHASE.KEY-VAL... (e.g. "srv-tiny-warm:MLA_FUZZ_CUDA_EARLY=0 srv-tiny-warm:MLA_FUZZ_CUDA_EARLY=1"
+# compares both on one machine and one server; the variables reach the command, not the server);
 # EXTRA="--only a,b" adds arguments to every matrix; BUNDLE=FILE.tgz also packs OUTDIR into one
 # file at the end (a machine that hands back only a few files loses none of the phases').
 # Each json row has seconds_to_detect (from the command's start) and row_started_s (when a
@@ -26,12 +29,12 @@ W=${2:-16}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 rc=0
-matrix() {  # name cache-dir args...
-    local name=$1 cache=$2
+matrix() {  # name cache-dir args... (the phase's variables, VARS, in its environment)
+    local name=$1$LABEL cache=$2
     shift 2
     local t0=$SECONDS
-    TRITON_CACHE_DIR="$cache" "$PY" -m mla_fuzz.harness.cli mutants --graph cuda --workers "$W" \
-        --json "$OUT/$name.json" "$@" ${EXTRA:-} >"$OUT/$name.txt" 2>&1
+    env ${VARS[@]+"${VARS[@]}"} TRITON_CACHE_DIR="$cache" "$PY" -m mla_fuzz.harness.cli mutants --graph cuda \
+        --workers "$W" --json "$OUT/$name.json" "$@" ${EXTRA:-} >"$OUT/$name.txt" 2>&1
     local r=$?
     echo "$name: exit $r, $((SECONDS - t0)) s"
     tail -n 4 "$OUT/$name.txt"
@@ -47,13 +50,19 @@ server_for() {  # cache-dir: an mla-fuzz server for commands on that cache, star
 # DETECTION_CACHE: a Triton cache folder kept after the run (phases of later commands read
 # what earlier ones compiled); default: a new empty folder, removed at the end
 C=${DETECTION_CACHE:-$(mktemp -d)}
-for phase in ${PHASES:-tiny-cold tiny-warm startup heldout-warm dsv3-cold dsv3-warm heldout-dsv3-warm}; do
+for token in ${PHASES:-tiny-cold tiny-warm startup heldout-warm dsv3-cold dsv3-warm heldout-dsv3-warm}; do
+    phase=${token%%:*}
+    VARS=() LABEL=""
+    if [ "$phase" != "$token" ]; then
+        IFS=, read -r -a VARS <<<"${token#*:}"
+        LABEL=.$(IFS=.; echo "${VARS[*]}" | tr '=' '-')
+    fi
     case $phase in
         tiny-cold|tiny-warm) matrix "$phase" "$C/tiny" --spec tiny ;;
         startup)
-            TRITON_CACHE_DIR="$C/tiny" "$PY" benchmarks/startup.py --graph cuda --workers "1,4,$W" --scenarios 8 \
-                --out "$OUT/startup.json" >"$OUT/startup.txt" 2>&1
-            r=$?; echo "startup: exit $r"; tail -n 4 "$OUT/startup.txt"; [ "$r" -gt "$rc" ] && rc=$r ;;
+            env ${VARS[@]+"${VARS[@]}"} TRITON_CACHE_DIR="$C/tiny" "$PY" benchmarks/startup.py --graph cuda \
+                --workers "1,4,$W" --scenarios 8 --out "$OUT/startup$LABEL.json" >"$OUT/startup$LABEL.txt" 2>&1
+            r=$?; echo "startup$LABEL: exit $r"; tail -n 4 "$OUT/startup$LABEL.txt"; [ "$r" -gt "$rc" ] && rc=$r ;;
         heldout-cold) matrix "$phase" "$C/heldout" --spec tiny --set heldout ;;
         heldout-warm) matrix "$phase" "$C/tiny" --spec tiny --set heldout ;;
         dsv3-cold|dsv3-warm) matrix "$phase" "$C/dsv3" --spec deepseek-v3 ;;
