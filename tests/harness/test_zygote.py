@@ -172,13 +172,28 @@ for name in ("is_available", "device_count", "get_device_capability", "get_devic
 torch._C._cuda_getDeviceCount = refuse("torch._C._cuda_getDeviceCount")
 from mla_fuzz.harness import zygote
 zygote._preload()
-print(json.dumps({"asked": asked, "own": [m for m in zygote.OWN_PRELOAD if m in sys.modules]}))
+# and not through the driver either (Triton's, say): before cuInit the driver answers
+# CUDA_ERROR_NOT_INITIALIZED (3); None where there is no driver
+import ctypes
+try:
+    n = ctypes.c_int()
+    driver_initialised = ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(n)) != 3
+except OSError:
+    driver_initialised = None
+print(json.dumps({"asked": asked, "own": [m for m in zygote.OWN_PRELOAD if m in sys.modules],
+                  "driver_initialised": driver_initialised}))
 """
 
 
-def test_the_preload_imports_our_harness_and_kernels_without_asking_cuda_anything():
-    r = subprocess.run([sys.executable, "-c", _NO_CUDA_PROBE], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("interpret", ["1", None], ids=["interpreted", "compiled"])
+def test_the_preload_imports_our_harness_and_kernels_without_asking_cuda_anything(interpret):
+    # compiled: Triton's GPU path (its decorators and driver), as on a GPU machine
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = interpret
+    r = subprocess.run([sys.executable, "-c", _NO_CUDA_PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["asked"] == [], out
     assert out["own"] == list(zygote.OWN_PRELOAD), out  # imported, not skipped over an error
+    assert out["driver_initialised"] is not True, out
