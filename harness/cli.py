@@ -244,11 +244,11 @@ def _build_parser() -> _Parser:
     wu.add_argument("--json", default=None, metavar="FILE", help="write what the warmup did as JSON")
     wu.add_argument("--quiet", action="store_true", help="no progress lines")
 
-    sv = sub.add_parser("server", help="keep torch and triton imported between commands (opt-in)",
-                        description="A background process that imports torch, torch._dynamo and triton once and "
-                        "forks each later command of this environment, and its workers, from there, so they start "
-                        "without those imports (docs/cli.md, 'The server'). It never touches CUDA and imports no "
-                        "backend. MLA_FUZZ_SERVER=0 makes a command ignore it. Exit 0 done, 2 usage error, 3 the "
+    sv = sub.add_parser("server", help="keep torch, triton and mla-fuzz imported between commands (opt-in)",
+                        description="A background process that imports torch, torch._dynamo, triton and mla-fuzz's "
+                        "own harness and kernels once and forks each later command of this environment, and its "
+                        "workers, from there, so they start without those imports (docs/cli.md, 'The server'). It "
+                        "never touches CUDA and never imports your backend. MLA_FUZZ_SERVER=0 makes a command ignore it. Exit 0 done, 2 usage error, 3 the "
                         "server could not start.")
     sv.add_argument("action", choices=("start", "stop", "status"),
                     help="start one for this environment (if none runs), stop it (or every one: --all), list them")

@@ -164,7 +164,7 @@ def diagnose(backend_cls, cfg: ScenarioConfig, steps: list[dict], failure: Oracl
                          "the reference model, even on a build of its own, while the same batch run alone on a "
                          "fresh backend passes: that forward reads what the replay, or an earlier step, left in "
                          "memory the backend keeps across builds (a workspace slot, partial results of another "
-                         "split layout, the tail of a buffer) - stale contents at a stable address, which a replay "
+                         "split layout, the tail of a buffer) — stale contents at a stable address, which a replay "
                          "can read just as well. Capturing the graph with the replayed batch may hide it by "
                          f"changing what was left. {_leftovers_hint(backend_cls)}" + failure.message, o)
 

@@ -31,6 +31,7 @@ A client that disconnects while its command runs gets the command interrupted (S
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -83,6 +84,18 @@ def paths(key: str) -> tuple[Path, Path, Path]:
     return d / f"{key}.sock", d / f"{key}.json", d / f"{key}.log"
 
 
+@contextlib.contextmanager
+def _short(path: Path):
+    """``path`` spelled through a descriptor of its folder (``/proc/self/fd/N/NAME``): a Unix
+    socket's address is limited to 107 bytes, and a server folder deep in a home or a test's
+    temporary tree would exceed it."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
 def _connect(key: str) -> tuple[socket.socket, dict] | None:
     """A connection to server ``key`` and its greeting, or None when none listens there."""
     try:
@@ -94,7 +107,8 @@ def _connect(key: str) -> tuple[socket.socket, dict] | None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         s.settimeout(10.0)
-        s.connect(str(sock_path))
+        with _short(sock_path) as addr:
+            s.connect(addr)
         data = s.recv(zygote._RECORD)
         s.settimeout(None)
     except OSError:
@@ -250,7 +264,8 @@ def serve(sock_path: str, record_path: str, idle_s: float) -> int:
     since = time.time()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     tmp = f"{sock_path}.{os.getpid()}"
-    listener.bind(tmp)
+    with _short(Path(tmp)) as addr:
+        listener.bind(addr)
     os.chmod(tmp, 0o600)
     listener.listen(64)
     os.replace(tmp, sock_path)
@@ -456,7 +471,13 @@ def _main(argv=None) -> int:
     ap.add_argument("--idle-s", type=float, default=IDLE_MINUTES * 60.0)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    code = serve(args.socket, args.record, args.idle_s)
+    try:
+        code = serve(args.socket, args.record, args.idle_s)
+    except Exception as exc:  # noqa: BLE001 - `server start` reports the log's last line
+        import traceback
+        traceback.print_exc()
+        print(f"mla-fuzz server: {type(exc).__name__}: {exc}", flush=True)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no interpreter teardown: it would only walk the frozen imports

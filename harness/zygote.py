@@ -43,6 +43,7 @@ PRELOAD = ("torch", "torch._dynamo", "triton", "numpy", "hypothesis")
 #: that our backend, the mutants and the examples launch (their ``triton.jit`` decorators read
 #: and parse every kernel's source). A failure here is left for the worker to meet and report
 OWN_PRELOAD = ("mla_fuzz.harness.fuzz", "mla_fuzz.kernels", "mla_fuzz.harness.mutants")
+_WHAT = ", ".join(PRELOAD) + " and mla-fuzz's harness and kernels"  # for reports
 _RECORD = 1 << 20  # one request: its environment travels whole
 
 
@@ -468,8 +469,6 @@ def describe(z: Zygote) -> str:
     when = "as the command started" if z.origin == "command" else "by the pool"
     return f"forked from one process (started {when}) that imported {_WHAT} once{took}"
 
-
-_WHAT = ", ".join(PRELOAD) + " and mla-fuzz's harness and kernels"
 
 
 if __name__ == "__main__":

@@ -210,3 +210,16 @@ def test_bad_server_arguments_are_one_line_and_exit_2(tmp_path, args, says):
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and lines[-1].startswith("mla-fuzz"), r.stderr
     assert not (tmp_path / "servers").exists() or not list((tmp_path / "servers").glob("*.sock"))
+
+
+def test_a_server_folder_deeper_than_a_socket_address_allows_still_serves(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)  # the socket's path alone exceeds the 107-byte address limit
+    env = _env(tmp_path, MLA_FUZZ_SERVER_DIR=str(deep))
+    assert len(str(deep / "0123456789abcdef.sock")) > 107
+    r = _cli(["server", "start", "--graph", "emulated"], env, tmp_path)
+    assert r.returncode == 0 and "ready, pid" in r.stdout, r.stdout + r.stderr
+    try:
+        m = _cli(["mutants", "--only", "item-in-capture", "--graph", "emulated", "--examples", "1"], env, tmp_path)
+        assert m.returncode == 0 and "forked from the mla-fuzz server" in m.stderr, m.stderr
+    finally:
+        assert "stopped" in _cli(["server", "stop"], env, tmp_path).stdout
